@@ -1,0 +1,30 @@
+"""Shared pytest set-up for tfdp.
+
+The test process splits its CPU into ``TEST_CPU_DEVICES`` logical devices once,
+before anything initialises TensorFlow, so every multi-replica path
+(`tfdp.make_strategy(cpu_replicas=N)` for N <= 4) runs in-process without GPUs.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+TEST_CPU_DEVICES = 4
+
+import tfdp  # noqa: E402
+
+tfdp.configure_cpu_devices(TEST_CPU_DEVICES)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Give every test a clean Keras name scope and a fixed seed."""
+    import keras
+
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(1234)
+    yield
+    keras.backend.clear_session()

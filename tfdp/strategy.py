@@ -1,0 +1,482 @@
+"""Build the `tf.distribute.Strategy` a training job runs under.
+
+This module owns one decision: given the job's arguments and the devices and
+workers it can see, which strategy and which all-reduce to use. The decision
+(`plan_strategy`) is a pure function of its inputs, so it is tested with any
+device list, GPUs included; building the TensorFlow objects (`make_strategy`)
+is a thin step after it. Parsing TF_CONFIG belongs to `tfdp.cluster`; the
+Keras fixes a multi-worker strategy needs belong to `tfdp._upstream`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from tfdp import cluster as cluster_lib
+
+KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "collective")
+COMMUNICATIONS = ("auto", "nccl", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyPlan:
+    """What `make_strategy` will build, decided before TensorFlow is touched.
+
+    Attributes:
+        kind: one of `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`.
+        devices: device strings for `one_device` / `mirrored`, or `None` to let
+            TensorFlow use every local GPU (or the CPU).
+        cross_device_ops: for `mirrored`: `"nccl"`, `"hierarchical_copy"`,
+            `"reduce_to_one"` or `"collective"` (TensorFlow's default: ring
+            collectives on CPUs, NCCL collectives on GPUs).
+        num_packs: pack count for `nccl` / `hierarchical_copy`.
+        communication: for `multi_worker`: `"auto"`, `"nccl"` or `"ring"`.
+        bytes_per_pack: for `multi_worker`: gradient packing, in bytes (0: one
+            pack per gradient dtype group, TensorFlow's default).
+        timeout_seconds: for `multi_worker`: collective timeout in seconds, or
+            `None` to wait forever.
+        warnings: fallbacks taken, each logged once when the strategy is built.
+    """
+
+    kind: str
+    devices: tuple[str, ...] | None = None
+    cross_device_ops: str | None = None
+    num_packs: int = 1
+    communication: str | None = None
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    warnings: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyInfo:
+    """A summary of a strategy, as the chief logs it at start.
+
+    Attributes:
+        strategy: the strategy's class name, e.g. `"MirroredStrategy"`.
+        num_workers: worker processes taking part in training.
+        worker_index: this process's rank among them (0 is the chief).
+        is_chief: whether this process logs, and owns output files.
+        num_replicas_in_sync: replicas across all workers; each gets
+            `global_batch / num_replicas_in_sync` examples per step.
+        devices: this worker's compute devices, one per local replica.
+        all_reduce: the gradient all-reduce in use (see
+            `tfdp._upstream.strategy_internals.all_reduce_name`).
+    """
+
+    strategy: str
+    num_workers: int
+    worker_index: int
+    is_chief: bool
+    num_replicas_in_sync: int
+    devices: tuple[str, ...]
+    all_reduce: str
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"{self.strategy}: {self.num_workers} worker(s), this is worker "
+            f"{self.worker_index}{' (chief)' if self.is_chief else ''}; "
+            f"{self.num_replicas_in_sync} replica(s) in sync; local devices "
+            f"{', '.join(self.devices)}; all-reduce {self.all_reduce}"
+        )
+
+
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {', '.join(map(repr, choices))}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _check_positive_int(name: str, value, *, minimum: int = 1, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}"
+            f"{' or None' if allow_none else ''}. Received: {name}={value!r}"
+        )
+
+
+def plan_strategy(
+    kind: str = "auto",
+    *,
+    num_gpus: int,
+    num_workers: int = 1,
+    cpu_replicas: int | None = None,
+    cross_device_ops: str = "auto",
+    num_packs: int = 1,
+    communication: str = "auto",
+    bytes_per_pack: int = 0,
+    timeout_seconds: float | None = None,
+) -> StrategyPlan:
+    """Decides which strategy to build, from arguments and visible hardware.
+
+    A pure function: it reads no environment and touches no device, so every
+    branch (several GPUs included) is testable on a CPU-only machine.
+
+    Args:
+        kind: see `make_strategy`.
+        num_gpus: physical GPUs visible on this host.
+        num_workers: workers in the cluster (TF_CONFIG or Slurm); 1 when there
+            is no cluster.
+        cpu_replicas, cross_device_ops, num_packs, communication,
+            bytes_per_pack, timeout_seconds: see `make_strategy`.
+
+    Returns:
+        A `StrategyPlan`.
+
+    Raises:
+        ValueError: an argument is out of range, or the combination cannot
+            work (for example `kind="one_device"` with `cpu_replicas=2`).
+    """
+    _check_choice("kind", kind, KINDS)
+    _check_choice("cross_device_ops", cross_device_ops, CROSS_DEVICE_OPS)
+    _check_choice("communication", communication, COMMUNICATIONS)
+    _check_positive_int("cpu_replicas", cpu_replicas, allow_none=True)
+    _check_positive_int("num_packs", num_packs)
+    _check_positive_int("bytes_per_pack", bytes_per_pack, minimum=0)
+    _check_positive_int("num_gpus", num_gpus, minimum=0)
+    _check_positive_int("num_workers", num_workers)
+    if timeout_seconds is not None and (
+        isinstance(timeout_seconds, bool)
+        or not isinstance(timeout_seconds, (int, float))
+        or timeout_seconds <= 0
+    ):
+        raise ValueError(
+            "`timeout_seconds` must be a positive number of seconds or None "
+            f"(wait forever). Received: timeout_seconds={timeout_seconds!r}"
+        )
+    if cpu_replicas is not None and cpu_replicas > 1 and num_gpus > 0:
+        raise ValueError(
+            f"`cpu_replicas` splits the CPU into logical devices for testing "
+            f"without GPUs, but this host has {num_gpus} GPU(s). Remove "
+            f"cpu_replicas={cpu_replicas} to train on the GPUs."
+        )
+
+    if kind == "auto":
+        if num_workers > 1:
+            kind = "multi_worker"
+        elif num_gpus > 1 or (cpu_replicas or 1) > 1:
+            kind = "mirrored"
+        else:
+            kind = "default"
+
+    if num_workers > 1 and kind != "multi_worker":
+        raise ValueError(
+            f"The cluster configuration (TF_CONFIG or Slurm) describes "
+            f"{num_workers} workers, but kind={kind!r} trains on one worker "
+            f"only. Use kind='multi_worker' (or 'auto'), or unset TF_CONFIG "
+            f"to train on this host alone."
+        )
+
+    if kind == "default":
+        if (cpu_replicas or 1) > 1:
+            raise ValueError(
+                f"kind='default' runs one replica, so cpu_replicas="
+                f"{cpu_replicas} would be ignored. Use kind='mirrored' (or "
+                f"'auto') for several replicas."
+            )
+        return StrategyPlan(kind="default")
+
+    if kind == "one_device":
+        if (cpu_replicas or 1) > 1:
+            raise ValueError(
+                f"kind='one_device' runs one replica, so cpu_replicas="
+                f"{cpu_replicas} would be ignored. Use kind='mirrored' (or "
+                f"'auto') for several replicas."
+            )
+        return StrategyPlan(
+            kind="one_device", devices=("/gpu:0" if num_gpus else "/cpu:0",)
+        )
+
+    if kind == "multi_worker":
+        if (cpu_replicas or 1) > 1:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy runs one replica per worker on "
+                f"CPUs, so cpu_replicas={cpu_replicas} cannot apply. Start more "
+                f"workers instead (python -m launch --nproc_per_node N), or use "
+                f"kind='mirrored' for several replicas in one process."
+            )
+        warnings = []
+        if communication == "nccl" and num_gpus == 0:
+            warnings.append(
+                "communication='nccl' needs GPUs and this worker has none; "
+                "falling back to 'ring' collectives."
+            )
+            communication = "ring"
+        return StrategyPlan(
+            kind="multi_worker",
+            communication=communication,
+            bytes_per_pack=bytes_per_pack,
+            timeout_seconds=timeout_seconds,
+            warnings=tuple(warnings),
+        )
+
+    # kind == "mirrored"
+    warnings = []
+    if num_gpus:
+        devices = None  # every local GPU
+        chosen = cross_device_ops
+        if chosen == "auto":
+            chosen = "nccl" if num_gpus > 1 else "reduce_to_one"
+    else:
+        devices = tuple(f"/cpu:{i}" for i in range(cpu_replicas or 1))
+        chosen = cross_device_ops
+        if chosen in ("nccl", "hierarchical_copy"):
+            warnings.append(
+                f"cross_device_ops={chosen!r} needs GPUs and this host has none; "
+                f"falling back to ring collectives across "
+                f"{len(devices)} CPU device(s)."
+            )
+            chosen = "collective"
+        elif chosen == "auto":
+            chosen = "collective"
+    return StrategyPlan(
+        kind="mirrored",
+        devices=devices,
+        cross_device_ops=chosen,
+        num_packs=num_packs,
+        warnings=tuple(warnings),
+    )
+
+
+def configure_cpu_devices(count: int) -> None:
+    """Splits the host CPU into `count` logical devices.
+
+    Lets every multi-replica code path run on a machine without GPUs: a
+    MirroredStrategy over `count` logical CPUs behaves like one over `count`
+    GPUs, with the CPU cores shared between them.
+
+    Must run before TensorFlow initialises its devices (before the first op,
+    tensor, model or strategy). When TensorFlow is already initialised with at
+    least `count` logical CPUs, this does nothing.
+
+    Args:
+        count: number of logical CPU devices, >= 1.
+
+    Raises:
+        ValueError: `count` is not a positive integer.
+        RuntimeError: TensorFlow already initialised its devices with fewer
+            than `count` logical CPUs.
+    """
+    _check_positive_int("cpu_replicas", count)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu) or []
+    if len(configured) >= count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+        )
+    except RuntimeError as error:
+        available = len(tf.config.list_logical_devices("CPU"))
+        if available >= count:
+            return
+        raise RuntimeError(
+            f"cpu_replicas={count} needs {count} logical CPU devices, but "
+            f"TensorFlow has already initialised its devices with {available}. "
+            f"Call tfdp.make_strategy(cpu_replicas={count}) (or "
+            f"tfdp.configure_cpu_devices({count})) at the start of the program, "
+            f"before any TensorFlow op runs or any tensor, model or strategy is "
+            f"created."
+        ) from error
+
+
+def _cross_device_ops(plan: StrategyPlan):
+    if plan.cross_device_ops == "nccl":
+        return tf.distribute.NcclAllReduce(num_packs=plan.num_packs)
+    if plan.cross_device_ops == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce(num_packs=plan.num_packs)
+    if plan.cross_device_ops == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice()
+    return None  # "collective": MirroredStrategy's own default
+
+
+def _communication_options(plan: StrategyPlan):
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    }[plan.communication]
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=plan.bytes_per_pack,
+        timeout_seconds=plan.timeout_seconds,
+        implementation=implementation,
+    )
+
+
+def _cluster_resolver(environ: Mapping[str, str]):
+    """The resolver for this job's cluster: TF_CONFIG first, then Slurm."""
+    if cluster_lib.parse_tf_config(environ=environ) is not None:
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if (cluster_lib.slurm_num_tasks(environ) or 1) > 1:
+        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+    return None
+
+
+def _num_workers(environ: Mapping[str, str]) -> int:
+    config = cluster_lib.parse_tf_config(environ=environ)
+    if config is not None:
+        return config.num_workers
+    return cluster_lib.slurm_num_tasks(environ) or 1
+
+
+def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
+    """Builds the TensorFlow strategy `plan` describes; logs its fallbacks."""
+    for warning in plan.warnings:
+        logging.warning("tfdp.make_strategy: %s", warning)
+    if plan.kind == "default":
+        return tf.distribute.get_strategy()
+    if plan.kind == "one_device":
+        return tf.distribute.OneDeviceStrategy(plan.devices[0])
+    if plan.kind == "mirrored":
+        from tfdp._upstream import strategy_internals
+
+        devices = None if plan.devices is None else list(plan.devices)
+        strategy_internals.reserve_collective_keys()
+        return tf.distribute.MirroredStrategy(
+            devices=devices, cross_device_ops=_cross_device_ops(plan)
+        )
+    # Imported here: the Keras fixes are only needed, and only applied, for
+    # multi-worker strategies.
+    from tfdp._upstream import keras_multi_worker
+
+    keras_multi_worker.apply()
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=_cluster_resolver(os.environ),
+        communication_options=_communication_options(plan),
+    )
+
+
+def make_strategy(
+    kind: str = "auto",
+    *,
+    cpu_replicas: int | None = None,
+    cross_device_ops: str = "auto",
+    communication: str = "auto",
+    bytes_per_pack: int = 0,
+    timeout_seconds: float | None = None,
+    num_packs: int = 1,
+) -> tf.distribute.Strategy:
+    """Builds the distribution strategy for this host and cluster.
+
+    Call it once, at the start of the program, before any other TensorFlow
+    work (MultiWorkerMirroredStrategy and `cpu_replicas` both configure the
+    TensorFlow runtime). Arguments are validated before anything is built, so
+    a bad value fails in a second rather than in a hung cluster.
+
+    Args:
+        kind: `"auto"` (default) picks MultiWorkerMirroredStrategy when
+            TF_CONFIG or a Slurm job describes more than one worker,
+            MirroredStrategy when there is more than one local GPU or
+            `cpu_replicas > 1`, else the default strategy. Or one of
+            `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`.
+        cpu_replicas: split the CPU into this many logical devices and
+            mirror over them (for running multi-replica code without GPUs).
+            Defaults to `None`: one CPU device.
+        cross_device_ops: MirroredStrategy's all-reduce: `"auto"` (NCCL on
+            several GPUs, ring collectives on CPUs), `"nccl"`,
+            `"hierarchical_copy"`, `"reduce_to_one"` or `"collective"`.
+            NCCL and hierarchical copy fall back to ring collectives, with one
+            logged warning, where there are no GPUs.
+        communication: MultiWorkerMirroredStrategy's collectives: `"auto"`,
+            `"nccl"` (falls back to `"ring"` with a warning without GPUs) or
+            `"ring"`.
+        bytes_per_pack: MultiWorkerMirroredStrategy: pack gradients into
+            chunks of this many bytes per all-reduce; 0 (default) lets
+            TensorFlow decide.
+        timeout_seconds: MultiWorkerMirroredStrategy: fail a collective that
+            takes longer than this many seconds (a dead or stuck peer) instead
+            of waiting forever. Defaults to `None`.
+        num_packs: MirroredStrategy with `"nccl"` or `"hierarchical_copy"`:
+            number of packs gradients are concatenated into. Defaults to 1.
+
+    Returns:
+        A `tf.distribute.Strategy`. On the chief, its `strategy_info` is
+        logged once.
+
+    Raises:
+        ValueError: an argument is invalid or contradicts the cluster, or
+            TF_CONFIG is malformed (the message names the field).
+        RuntimeError: `cpu_replicas` was asked for after TensorFlow had
+            already initialised its devices.
+
+    Example:
+
+    >>> strategy = tfdp.make_strategy(cpu_replicas=2)  # doctest: +SKIP
+    >>> with strategy.scope():                          # doctest: +SKIP
+    ...     model = build_model()
+    ...     model.compile(optimizer="sgd", loss="mse")
+    """
+    plan = plan_strategy(
+        kind,
+        num_gpus=len(tf.config.list_physical_devices("GPU")),
+        num_workers=_num_workers(os.environ),
+        cpu_replicas=cpu_replicas,
+        cross_device_ops=cross_device_ops,
+        num_packs=num_packs,
+        communication=communication,
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+    )
+    if plan.kind == "mirrored" and plan.devices is not None:
+        configure_cpu_devices(len(plan.devices))
+    strategy = build_strategy(plan)
+    info = strategy_info(strategy)
+    if info.is_chief:
+        logging.info("tfdp strategy: %s", info.describe())
+    return strategy
+
+
+def _local_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
+    try:
+        return tuple(strategy.extended.worker_devices)
+    except RuntimeError:
+        # The default strategy has no device list: it places ops where
+        # TensorFlow would without a strategy, the first GPU or the CPU.
+        gpus = tf.config.list_logical_devices("GPU")
+        return ((gpus or tf.config.list_logical_devices("CPU"))[0].name,)
+
+
+def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
+    """Summarises `strategy` (default: the current one) for logs and records.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`; defaults to
+            `tf.distribute.get_strategy()`.
+
+    Returns:
+        A frozen `StrategyInfo`.
+    """
+    from tfdp._upstream import strategy_internals
+
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    num_workers, worker_index, is_chief = 1, 0, True
+    if resolver is not None and resolver.cluster_spec().jobs:
+        spec = resolver.cluster_spec()
+        num_chiefs = spec.num_tasks("chief") if "chief" in spec.jobs else 0
+        num_workers = num_chiefs + (
+            spec.num_tasks("worker") if "worker" in spec.jobs else 0
+        )
+        task_type, task_id = resolver.task_type, resolver.task_id or 0
+        worker_index = task_id + (num_chiefs if task_type == "worker" else 0)
+        is_chief = bool(strategy.extended.should_checkpoint)
+    return StrategyInfo(
+        strategy=type(strategy).__name__,
+        num_workers=num_workers,
+        worker_index=worker_index,
+        is_chief=is_chief,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        devices=_local_devices(strategy),
+        all_reduce=strategy_internals.all_reduce_name(strategy),
+    )
