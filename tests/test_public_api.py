@@ -3,6 +3,8 @@
 import tfdp
 
 EXPECTED_PUBLIC_NAMES = {
+    "BatchConfig",
+    "compile",
     "configure_cpu_devices",
     "make_strategy",
     "strategy_info",

@@ -1,0 +1,106 @@
+"""Batch arithmetic: per-replica, replicas, accumulation and global batch.
+
+One training step is one optimizer step on one global batch, everywhere in
+tfdp (progress bars, `steps_per_epoch`, learning-rate schedules, checkpoints).
+This module owns the arithmetic that ties the four numbers together and the
+line the chief logs about them; it does not build datasets or train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _check_count(name: str, value, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive integer{hint}. Received: {name}={value!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    """How one global batch is split over replicas and accumulation steps.
+
+    Each optimizer step consumes one global batch. Every replica receives
+    `per_replica * accum_steps` examples of it and processes them as
+    `accum_steps` micro-batches of `per_replica` examples, summing their
+    gradients locally; then one all-reduce averages the gradients over all
+    replicas and the optimizer steps once.
+
+    Attributes:
+        per_replica: examples in one micro-batch on one replica (the batch a
+            replica holds activations for at a time).
+        num_replicas: replicas in sync, over all workers
+            (`strategy.num_replicas_in_sync`).
+        accum_steps: micro-batches accumulated per optimizer step. Defaults
+            to 1 (no accumulation).
+
+    Example:
+
+    >>> batch = BatchConfig.from_global(256, num_replicas=2, accum_steps=4)
+    >>> batch.per_replica, batch.global_batch
+    (32, 256)
+    """
+
+    per_replica: int
+    num_replicas: int
+    accum_steps: int = 1
+
+    def __post_init__(self):
+        _check_count("per_replica", self.per_replica)
+        _check_count("num_replicas", self.num_replicas)
+        _check_count("accum_steps", self.accum_steps, " (1 means no accumulation)")
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step: per_replica × num_replicas × accum_steps."""
+        return self.per_replica * self.num_replicas * self.accum_steps
+
+    @property
+    def replica_batch(self) -> int:
+        """Examples one replica receives per optimizer step: per_replica × accum_steps."""
+        return self.per_replica * self.accum_steps
+
+    @classmethod
+    def from_global(
+        cls, global_batch: int, num_replicas: int, accum_steps: int = 1
+    ) -> "BatchConfig":
+        """Splits `global_batch` over `num_replicas` and `accum_steps`.
+
+        Args:
+            global_batch: examples per optimizer step over all replicas.
+            num_replicas: replicas in sync.
+            accum_steps: micro-batches per optimizer step. Defaults to 1.
+
+        Returns:
+            A `BatchConfig` whose `global_batch` equals `global_batch`.
+
+        Raises:
+            ValueError: an argument is not a positive integer, or
+                `global_batch` is not a multiple of `num_replicas * accum_steps`
+                (the message names the nearest valid global batches).
+        """
+        _check_count("global_batch", global_batch)
+        _check_count("num_replicas", num_replicas)
+        _check_count("accum_steps", accum_steps, " (1 means no accumulation)")
+        unit = num_replicas * accum_steps
+        if global_batch % unit:
+            lower = (global_batch // unit) * unit
+            nearest = [size for size in (lower, lower + unit) if size > 0]
+            raise ValueError(
+                f"`global_batch` must be a multiple of num_replicas × accum_steps "
+                f"= {num_replicas} × {accum_steps} = {unit}, so that every replica "
+                f"gets the same number of examples in every micro-batch. Received: "
+                f"global_batch={global_batch}. Nearest valid global batches: "
+                f"{' or '.join(map(str, nearest))}."
+            )
+        return cls(global_batch // unit, num_replicas, accum_steps)
+
+    def describe(self) -> str:
+        """The start-up line: all four numbers and how they relate."""
+        return (
+            f"batch: {self.per_replica} per replica × {self.num_replicas} "
+            f"replica(s) × {self.accum_steps} accumulation step(s) = "
+            f"{self.global_batch} global examples per optimizer step"
+        )
