@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -79,6 +79,53 @@ def _dense(gradient, variable):
     return gradient
 
 
+def sum_micro_batch_gradients(
+    data: Any,
+    accum_steps: int,
+    variables: Sequence[tf.Variable],
+    loss_fn: Callable[[Any], tf.Tensor],
+) -> list[tf.Tensor]:
+    """Sums gradients over `accum_steps` micro-batches of `data`, one at a time.
+
+    Runs in replica context and reduces nothing: the caller all-reduces the
+    result once (through `optimizer.apply_gradients`).
+
+    Args:
+        data: a nest of tensors whose first dimension is the replica batch B,
+            a multiple of `accum_steps` (`None` leaves are kept as `None`).
+        accum_steps: micro-batches to split `data` into, each of B /
+            accum_steps examples.
+        variables: the variables to differentiate with respect to.
+        loss_fn: maps one micro-batch (same nest as `data`) to the scalar loss
+            to differentiate; it may update metrics as a side effect.
+
+    Returns:
+        One dense tensor per variable: the sum of the micro-batch gradients
+        (zeros where a variable gets no gradient).
+    """
+    micro_batches = _split_micro_batches(data, accum_steps)
+
+    def body(index, accumulated):
+        micro_batch = tf.nest.map_structure(
+            lambda t: None if t is None else t[index], micro_batches
+        )
+        with tf.GradientTape() as tape:
+            loss = loss_fn(micro_batch)
+        gradients = tape.gradient(loss, variables)
+        return index + 1, [
+            total + _dense(gradient, variable)
+            for total, gradient, variable in zip(accumulated, gradients, variables)
+        ]
+
+    _, summed = tf.while_loop(
+        lambda index, _: index < accum_steps,
+        body,
+        (tf.constant(0), [tf.zeros_like(v) for v in variables]),
+        parallel_iterations=1,
+    )
+    return summed
+
+
 def accumulating_train_step(model: keras.Model, accum_steps: int, data: Any) -> dict:
     """One optimizer step on one replica's share of a global batch.
 
@@ -93,35 +140,23 @@ def accumulating_train_step(model: keras.Model, accum_steps: int, data: Any) -> 
     Returns:
         The model's metric results, as `train_step` returns them.
     """
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    micro_batches = _split_micro_batches((x, y, sample_weight), accum_steps)
     variables = model.trainable_variables
     if not variables:
         warnings.warn("The model does not have any trainable weights.")
+        return model.get_metrics_result()
 
-    def body(index, accumulated):
-        mx, my, msw = tf.nest.map_structure(
-            lambda t: None if t is None else t[index], micro_batches
-        )
-        with tf.GradientTape() as tape:
-            y_pred, scaled_loss = keras_train_step.forward_and_loss(model, mx, my, msw)
-        gradients = tape.gradient(scaled_loss, variables)
-        model.compute_metrics(mx, my, y_pred, sample_weight=msw)
-        return index + 1, [
-            total + _dense(gradient, variable)
-            for total, gradient, variable in zip(accumulated, gradients, variables)
-        ]
+    def micro_batch_loss(micro_batch):
+        x, y, sample_weight = micro_batch
+        y_pred, scaled_loss = keras_train_step.forward_and_loss(model, x, y, sample_weight)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return scaled_loss
 
-    zeros = [tf.zeros_like(v) for v in variables]
-    _, summed = tf.while_loop(
-        lambda index, _: index < accum_steps,
-        body,
-        (tf.constant(0), zeros),
-        parallel_iterations=1,
+    summed = sum_micro_batch_gradients(
+        keras.utils.unpack_x_y_sample_weight(data), accum_steps, variables, micro_batch_loss
     )
-    if variables:
-        mean_gradients = [g / tf.cast(accum_steps, g.dtype) for g in summed]
-        model.optimizer.apply_gradients(zip(mean_gradients, variables))
+    # Each micro-batch loss is a mean over its examples: average, don't sum.
+    mean_gradients = [g / tf.cast(accum_steps, g.dtype) for g in summed]
+    model.optimizer.apply_gradients(zip(mean_gradients, variables))
     return model.get_metrics_result()
 
 
