@@ -1,0 +1,164 @@
+"""Tests for `python -m launch`: argument errors, and end-to-end runs.
+
+Argument errors are checked in-process through `launch.__main__.main(argv)`
+(exit status 2 and the message), plus once through a real `python -m launch`.
+The end-to-end tests run the launcher as users do, through
+`tests/multiworker.py`, with plain-Python workers.
+"""
+
+import json
+import signal
+
+import pytest
+
+from launch import __main__ as launch_main
+from launch_snippets import PRELUDE
+from multiworker import (
+    LaunchFailed,
+    assert_processes_gone,
+    python_command,
+    run_launch,
+    run_worker_script,
+    start_launch,
+    wait_for_files,
+    write_worker_script,
+)
+from tfdp.cluster import parse_tf_config
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        ([], "the following arguments are required: --nproc_per_node"),
+        (["--nproc_per_node", "2"], "missing COMMAND after `--`"),
+        (["--nproc_per_node", "2", "--"], "missing COMMAND after `--`"),
+        (["--nproc_per_node", "2", "python", "train.py"],
+         "unrecognized arguments before `--`: python train.py"),
+        (["--nproc_per_node", "two", "--", "python"], "invalid int value: 'two'"),
+        (["--nproc_per_node", "0", "--", "python"],
+         "`nproc_per_node` must be >= 1 (the number of worker processes to start). "
+         "Received: nproc_per_node=0"),
+        (["--nproc_per_node", "2", "--port", "65535", "--", "python"],
+         "`port` must be in [1, 65534]"),
+        (["--nproc_per_node", "1", "--port", "-5", "--", "python"], "Received: port=-5"),
+        (["--nproc_per_node", "1", "--grace_period", "-1", "--", "python"],
+         "`grace_period` must be a finite number of seconds >= 0"),
+        (["--nproc_per_node", "1", "--", "no-such-program-tfdp", "x"],
+         "'no-such-program-tfdp' was not found on PATH"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as info:
+        launch_main.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert "usage: python -m launch --nproc_per_node N" in err
+
+
+def test_help_documents_env_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as info:
+        launch_main.main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for fragment in ("TFDP_RANK", "TFDP_LOCAL_RANK", "TFDP_WORLD_SIZE", "TF_CONFIG",
+                     "SIGTERM: 143", "2 for invalid arguments", "--grace_period"):
+        assert fragment in text
+
+
+@pytest.mark.slow
+def test_cli_rejects_bad_arguments_before_starting_anything():
+    result = run_launch(["python", "-c", "print('started')"], nproc=0, timeout=60)
+    assert result.returncode == 2, result.describe()
+    assert "`nproc_per_node` must be >= 1" in result.stderr
+    assert "started" not in result.stdout and "[launch] starting" not in result.stderr
+
+
+REPORT_WORKER = """
+import json
+print(json.dumps({"pid": os.getpid(), "TF_CONFIG": os.environ["TF_CONFIG"],
+                  "rank": os.environ["TFDP_RANK"],
+                  "world": os.environ["TFDP_WORLD_SIZE"]}))
+print(f"to stderr from {RANK}", file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+def test_cli_prefixes_output_and_sets_each_worker_environment(tmp_path, pid_dir):
+    result = run_worker_script(tmp_path, PRELUDE + REPORT_WORKER, nproc=2, timeout=120,
+                               env={"PID_DIR": str(pid_dir)}, check=True)
+    print(f"2 workers, end to end: {result.elapsed:.2f} s")
+    reports = [json.loads(result.worker_stdout(rank)[0]) for rank in (0, 1)]
+    configs = [parse_tf_config(r["TF_CONFIG"]) for r in reports]
+    assert [c.task_index for c in configs] == [0, 1]
+    assert [r["rank"] for r in reports] == ["0", "1"]
+    assert {r["world"] for r in reports} == {"2"}
+    assert configs[0].cluster == configs[1].cluster
+    assert len(set(configs[0].cluster["worker"])) == 2
+    for rank in (0, 1):
+        assert result.worker_stderr(rank) == [f"to stderr from {rank}"]
+    assert all(line.startswith(("[0] ", "[1] ")) for line in result.stdout.splitlines())
+    assert len(result.launcher_messages()) == 1  # just the start-up line
+    assert result.launcher_messages()[0].startswith("starting 2 worker(s) on 127.0.0.1 ports")
+
+
+GRANDCHILD_WORKER = """
+if RANK == 0:
+    child = subprocess.Popen(["sleep", "60"])  # in worker 0's process group
+    write_pid("grandchild", child.pid)
+    time.sleep(60)
+else:
+    wait_for_pid("grandchild")
+    print("rank 1 failing", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_cli_fail_fast_leaves_no_process_and_no_zombie(tmp_path, pid_dir):
+    with pytest.raises(LaunchFailed) as info:
+        run_worker_script(tmp_path, PRELUDE + GRANDCHILD_WORKER, nproc=2, timeout=120,
+                          env={"PID_DIR": str(pid_dir)}, launch_args=["--grace_period", "2"],
+                          check=True)
+    result = info.value.result
+    print(f"fail-fast end to end: exit {result.returncode} after {result.elapsed:.2f} s "
+          "(including the launcher's start-up)")
+    assert result.returncode == 3, result.describe()
+    assert result.elapsed < 60, result.describe()
+    assert result.worker_stdout(1) == ["rank 1 failing"]
+    messages = result.launcher_messages()
+    assert any("worker 1" in m and "exited with code 3" in m for m in messages), messages
+    assert messages[-1] == "exiting with code 3 (worker 1 failed)"
+    pids = [int(p) for p in wait_for_files(
+        [pid_dir / "worker0.pid", pid_dir / "worker1.pid", pid_dir / "grandchild.pid"],
+        timeout=1)]
+    # Workers reaped by the launcher; the grandchild killed with worker 0's
+    # process group and reaped by the launcher (a child subreaper).
+    assert_processes_gone(pids)
+
+
+IGNORE_SIGTERM_WORKER = """
+if RANK == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_cli_forwards_sigterm_and_sigkills_after_the_grace_period(tmp_path, pid_dir):
+    script = write_worker_script(tmp_path, PRELUDE + IGNORE_SIGTERM_WORKER)
+    with start_launch(python_command(script), nproc=2, env={"PID_DIR": str(pid_dir)},
+                      launch_args=["--grace_period", "1"]) as job:
+        pids = [int(p) for p in wait_for_files(
+            [pid_dir / "worker0.pid", pid_dir / "worker1.pid"], timeout=60, job=job)]
+        job.send_signal(signal.SIGTERM)
+        result = job.wait(timeout=60)
+    assert result.returncode == 143, result.describe()
+    messages = result.launcher_messages()
+    assert any(m.startswith("received SIGTERM; forwarding it to 2") for m in messages)
+    assert any(m.startswith("worker 0 (pid") and "still running 1 s after SIGTERM" in m
+               for m in messages), messages
+    assert not any(m.startswith("worker 1 (pid") for m in messages), messages
+    assert messages[-1] == "exiting with code 143 (stopped the workers after a signal)"
+    assert_processes_gone(pids)
