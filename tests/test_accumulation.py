@@ -174,3 +174,26 @@ def test_keras_own_accumulation_still_fails_under_mirrored_strategy():
         )
     with pytest.raises(RuntimeError, match="merge_call"):
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+
+
+def test_jit_compiled_accumulation_matches_one_device():
+    reference, _, _ = _fit(tfdp.make_strategy("one_device"), accum_steps=1)
+    x, y = _data()
+    model = _model()
+    accumulation.compile(
+        model, optimizer=keras.optimizers.SGD(learning_rate=0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        accum_steps=4, jit_compile=True,
+    )
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    for want, got in zip(reference.weights, model.weights):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+
+
+def test_jit_compile_on_several_cpu_replicas_is_refused():
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    with strategy.scope():
+        model = _model()
+        with pytest.raises(ValueError, match="jit_compile=True cannot run on a MirroredStrategy"):
+            accumulation.compile(model, optimizer="sgd", loss="mse", accum_steps=2,
+                                 jit_compile=True)

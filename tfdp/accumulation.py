@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfdp import strategy as strategy_lib
 from tfdp._upstream import keras_train_step
 
 
@@ -196,7 +197,9 @@ def compile(  # pylint: disable=redefined-builtin
 
     Raises:
         ValueError: `accum_steps` or `steps_per_execution` is not a positive
-            integer, or the optimizer sets `gradient_accumulation_steps`.
+            integer, the optimizer sets `gradient_accumulation_steps`, or
+            `jit_compile=True` under a strategy where XLA cannot run (see
+            `tfdp.strategy.check_jit_compile_supported`).
     """
     _check_accum_steps(accum_steps)
     if (
@@ -208,6 +211,8 @@ def compile(  # pylint: disable=redefined-builtin
             "`steps_per_execution` must be a positive integer. "
             f"Received: steps_per_execution={steps_per_execution!r}"
         )
+    if jit_compile:
+        strategy_lib.check_jit_compile_supported(model.distribute_strategy)
     keras_accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
     if keras_accumulation:
         raise ValueError(

@@ -437,6 +437,30 @@ def make_strategy(
     return strategy
 
 
+def check_jit_compile_supported(strategy: tf.distribute.Strategy) -> None:
+    """Raises when XLA cannot compile a train step under `strategy`.
+
+    XLA on a MirroredStrategy over several CPU devices fails at run time with
+    "Trying to access resource ... located in device CPU:1 from device CPU:0"
+    (https://www.tensorflow.org/xla/known_issues#tfvariable_on_a_different_device);
+    Keras' own `jit_compile=True` fails the same way. Several GPUs, one device,
+    and MultiWorkerMirroredStrategy with one device per worker are fine.
+
+    Raises:
+        ValueError: `strategy` mirrors over more than one CPU device.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return
+    devices = tuple(strategy.extended.worker_devices)
+    if len(devices) > 1 and any("CPU" in d.upper() for d in devices):
+        raise ValueError(
+            f"jit_compile=True cannot run on a MirroredStrategy over {len(devices)} CPU "
+            f"devices: XLA cannot reach variables on another logical CPU device "
+            f"(TensorFlow limitation). Use jit_compile=False here; XLA works on GPUs, "
+            f"on one device, and with MultiWorkerMirroredStrategy."
+        )
+
+
 def _local_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
     try:
         return tuple(strategy.extended.worker_devices)
