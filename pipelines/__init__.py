@@ -1,0 +1,57 @@
+"""Input pipelines for data-parallel training with tf.distribute.
+
+`make_dataset` gives every replica its own slice of each global batch, each
+example once per epoch, and every worker the same number of steps, for
+`model.fit` and custom loops alike. Sources: TFDS datasets by name, the
+offline `digits` dataset, synthetic data, or your own `tf.data.Dataset`.
+"""
+
+import os as _os
+
+_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from pipelines.compat import check_model_compatible  # noqa: E402
+from pipelines.core import make_dataset  # noqa: E402
+from pipelines.pipeline import PipelineInfo  # noqa: E402
+from pipelines.digits import default_data_dir  # noqa: E402
+from pipelines.digits import prepare as prepare_digits  # noqa: E402
+from pipelines.preprocess import compose  # noqa: E402
+from pipelines.preprocess import decode_image  # noqa: E402
+from pipelines.preprocess import for_images  # noqa: E402
+from pipelines.preprocess import normalize_images  # noqa: E402
+from pipelines.preprocess import pad_tokens  # noqa: E402
+from pipelines.preprocess import random_crop_flip  # noqa: E402
+from pipelines.source import INFINITE  # noqa: E402
+from pipelines.source import Source  # noqa: E402
+from pipelines.source import SourceInfo  # noqa: E402
+from pipelines.sources import describe_source  # noqa: E402
+from pipelines.sources import get_source  # noqa: E402
+from pipelines.sources import known_sources  # noqa: E402
+from pipelines.sources import register_source  # noqa: E402
+from pipelines.synthetic import SyntheticImages  # noqa: E402
+from pipelines.synthetic import SyntheticTokens  # noqa: E402
+from pipelines.tfds_source import prepare_tfds  # noqa: E402
+
+__all__ = [
+    "check_model_compatible",
+    "compose",
+    "decode_image",
+    "default_data_dir",
+    "describe_source",
+    "for_images",
+    "get_source",
+    "INFINITE",
+    "known_sources",
+    "make_dataset",
+    "normalize_images",
+    "pad_tokens",
+    "PipelineInfo",
+    "prepare_digits",
+    "prepare_tfds",
+    "random_crop_flip",
+    "register_source",
+    "Source",
+    "SourceInfo",
+    "SyntheticImages",
+    "SyntheticTokens",
+]
