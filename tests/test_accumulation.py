@@ -52,7 +52,7 @@ def _fit(strategy, *, accum_steps, global_batch=GLOBAL_BATCH, steps=STEPS, regul
 
 @pytest.mark.parametrize(
     "replicas, accum_steps, regularized, steps_per_execution",
-    [(2, 4, False, 1), (2, 4, True, 1), (4, 2, False, 1), (1, 8, True, 1)],
+    [(2, 4, False, 1), (2, 4, True, 1), (4, 2, False, 3), (1, 8, True, 1)],
 )
 def test_accumulated_steps_equal_one_device_without_accumulation(
     replicas, accum_steps, regularized, steps_per_execution

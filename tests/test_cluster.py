@@ -11,16 +11,6 @@ from tfdp import cluster as cluster_lib
 from tfdp.cluster import ClusterConfig, free_ports, local_tf_config, parse_tf_config
 
 
-@pytest.fixture(autouse=True)
-def _fresh_keras_state():
-    """Overrides the suite-wide Keras reset: these tests never build Keras state.
-
-    `keras.backend.clear_session()` runs `gc.collect()` (~0.3 s with TensorFlow
-    loaded, twice per test): ~60 s over this module's ~100 cases for nothing.
-    """
-    yield
-
-
 def _tf_config(cluster, task_type="worker", index=0, **extra):
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}, **extra})
 

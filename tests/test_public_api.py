@@ -1,5 +1,8 @@
 """Pins tfdp's public surface so nothing leaks into it by accident."""
 
+import subprocess
+import sys
+
 import tfdp
 
 EXPECTED_PUBLIC_NAMES = {
@@ -7,8 +10,12 @@ EXPECTED_PUBLIC_NAMES = {
     "compile",
     "configure_cpu_devices",
     "make_strategy",
+    "optimizers",
+    "scale_lr",
     "strategy_info",
     "StrategyInfo",
+    "Trainer",
+    "WarmupSchedule",
 }
 
 
@@ -19,3 +26,21 @@ def test_all_is_exactly_the_public_surface():
 def test_every_public_name_resolves():
     for name in tfdp.__all__:
         assert getattr(tfdp, name) is not None, name
+    assert tfdp.optimizers.LARS and tfdp.optimizers.LAMB
+
+
+def test_unknown_names_raise_attribute_error():
+    try:
+        tfdp.not_a_name  # noqa: B018
+    except AttributeError as error:
+        assert "not_a_name" in str(error)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_cluster_config_loads_without_tensorflow():
+    # The launcher imports tfdp.cluster; it must start in well under a second.
+    code = "import sys, tfdp.cluster; print('tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.strip() == "False", result.stderr

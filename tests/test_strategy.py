@@ -225,8 +225,10 @@ def test_chief_logs_strategy_info_once(monkeypatch):
         strategy_lib.logging, "info", lambda fmt, *args: messages.append(fmt % args)
     )
     tfdp.make_strategy(cpu_replicas=2)
-    assert len(messages) == 1
-    assert "2 replica(s) in sync" in messages[0] and "collective/ring" in messages[0]
+    strategy_lines = [m for m in messages if m.startswith("tfdp strategy:")]
+    assert len(strategy_lines) == 1
+    assert "2 replica(s) in sync" in strategy_lines[0]
+    assert "collective/ring" in strategy_lines[0]
 
 
 @pytest.mark.parametrize(
@@ -239,6 +241,7 @@ def test_single_replica_kinds(kind, expected_type):
     info = tfdp.strategy_info(strategy)
     assert (info.num_replicas_in_sync, info.num_workers, info.is_chief) == (1, 1, True)
     assert info.all_reduce == "none"
+    assert info.strategy == {"default": "default", "one_device": "OneDeviceStrategy"}[kind]
     assert len(info.devices) == 1 and "CPU:0" in info.devices[0]
 
 

@@ -1,24 +1,44 @@
-"""tfdp: data-parallel training of Keras 3 models on TensorFlow."""
+"""tfdp: data-parallel training of Keras 3 models on TensorFlow.
 
+Public names are imported lazily, on first use, so that light modules such as
+`tfdp.cluster` (which the launcher needs) load without importing TensorFlow.
+"""
+
+import importlib as _importlib
 import os as _os
 
 # tfdp is a TensorFlow toolkit: Keras must run on the TensorFlow backend.
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from tfdp.accumulation import compile  # noqa: E402  pylint: disable=redefined-builtin
-from tfdp.batch import BatchConfig  # noqa: E402
-from tfdp.strategy import configure_cpu_devices  # noqa: E402
-from tfdp.strategy import make_strategy  # noqa: E402
-from tfdp.strategy import strategy_info  # noqa: E402
-from tfdp.strategy import StrategyInfo  # noqa: E402
-
-__all__ = [
-    "BatchConfig",
-    "compile",
-    "configure_cpu_devices",
-    "make_strategy",
-    "strategy_info",
-    "StrategyInfo",
-]
-
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "BatchConfig": "tfdp.batch",
+    "compile": "tfdp.accumulation",
+    "configure_cpu_devices": "tfdp.strategy",
+    "make_strategy": "tfdp.strategy",
+    "scale_lr": "tfdp.lr_schedules",
+    "strategy_info": "tfdp.strategy",
+    "StrategyInfo": "tfdp.strategy",
+    "Trainer": "tfdp.trainer",
+    "WarmupSchedule": "tfdp.lr_schedules",
+}
+_SUBPACKAGES = ("optimizers",)
+
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBPACKAGES:
+        value = _importlib.import_module(f"tfdp.{name}")
+    else:
+        raise AttributeError(f"module 'tfdp' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -338,18 +338,21 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
         return tf.distribute.get_strategy()
     if plan.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(plan.devices[0])
+    # Imported here: only strategies that all-reduce with collectives need
+    # the fixes, and only they pay for importing Keras internals.
+    from tfdp._upstream import keras_multi_worker
+
     if plan.kind == "mirrored":
         from tfdp._upstream import strategy_internals
 
+        # MirroredStrategy all-reduces with collectives on CPUs, which hit the
+        # tf.cond capture bug under steps_per_execution > 1 too.
+        keras_multi_worker.apply()
         devices = None if plan.devices is None else list(plan.devices)
         strategy_internals.reserve_collective_keys()
         return tf.distribute.MirroredStrategy(
             devices=devices, cross_device_ops=_cross_device_ops(plan)
         )
-    # Imported here: the Keras fixes are only needed, and only applied, for
-    # multi-worker strategies.
-    from tfdp._upstream import keras_multi_worker
-
     keras_multi_worker.apply()
     return tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=_cluster_resolver(os.environ),
@@ -461,6 +464,16 @@ def check_jit_compile_supported(strategy: tf.distribute.Strategy) -> None:
         )
 
 
+def _public_name(strategy: tf.distribute.Strategy) -> str:
+    """The name users know the strategy by (`tf.distribute.<name>`)."""
+    for name in ("MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy"):
+        if isinstance(strategy, getattr(tf.distribute, name)):
+            return name
+    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        return "default"
+    return type(strategy).__name__
+
+
 def _local_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
     try:
         return tuple(strategy.extended.worker_devices)
@@ -496,7 +509,7 @@ def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInf
         worker_index = task_id + (num_chiefs if task_type == "worker" else 0)
         is_chief = bool(strategy.extended.should_checkpoint)
     return StrategyInfo(
-        strategy=type(strategy).__name__,
+        strategy=_public_name(strategy),
         num_workers=num_workers,
         worker_index=worker_index,
         is_chief=is_chief,

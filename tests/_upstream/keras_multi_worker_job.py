@@ -21,6 +21,7 @@ examples see exactly the batches one device sees with 16.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -122,6 +123,7 @@ def run_fixed(out_dir: str, rank: int) -> None:
     results = {
         "applied": list(keras_multi_worker.applied()),
         "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "strategy_info": dataclasses.asdict(tfdp.strategy_info(strategy)),
         "runs": {},
     }
     # What this worker's replica receives from the feed fit uses

@@ -326,6 +326,19 @@ def test_job_ran_patched_on_two_replicas(fixed_run):
 
 
 @pytest.mark.slow
+def test_strategy_info_describes_each_worker(fixed_run):
+    for rank, record in enumerate(fixed_run):
+        info = record["strategy_info"]
+        assert info["strategy"] == "MultiWorkerMirroredStrategy"
+        assert (info["num_workers"], info["worker_index"], info["is_chief"]) == (
+            NUM_WORKERS, rank, rank == 0
+        )
+        assert info["num_replicas_in_sync"] == NUM_WORKERS
+        assert info["devices"] == [f"/job:worker/replica:0/task:{rank}/device:CPU:0"]
+        assert info["all_reduce"] == "collective/ring"
+
+
+@pytest.mark.slow
 def test_each_worker_gets_its_half_of_every_global_batch(fixed_run):
     x_train = job.make_data()["x_train"]
     per_worker = job.GLOBAL_BATCH // NUM_WORKERS
