@@ -18,16 +18,18 @@ from tfdp import strategy as strategy_lib
 @pytest.mark.parametrize(
     "kwargs, expected",
     [
-        (dict(num_gpus=0), dict(kind="default")),
-        (dict(num_gpus=1), dict(kind="default")),
+        (dict(num_gpus=0), dict(kind="default", num_replicas=1)),
+        (dict(num_gpus=1), dict(kind="default", num_replicas=1)),
         (dict(num_gpus=0, cpu_replicas=1), dict(kind="default")),
         (
             dict(num_gpus=0, cpu_replicas=2),
-            dict(kind="mirrored", devices=("/cpu:0", "/cpu:1"), cross_device_ops="collective"),
+            dict(kind="mirrored", devices=("/cpu:0", "/cpu:1"), cross_device_ops="collective",
+                 num_replicas=2),
         ),
         (
             dict(num_gpus=4),
-            dict(kind="mirrored", devices=None, cross_device_ops="nccl", num_packs=1),
+            dict(kind="mirrored", devices=None, cross_device_ops="nccl", num_packs=1,
+                 num_replicas=4),
         ),
         (
             dict(num_gpus=8, num_packs=4),
@@ -47,13 +49,13 @@ from tfdp import strategy as strategy_lib
         ),
         (
             dict(num_gpus=0, num_workers=2),
-            dict(kind="multi_worker", communication="auto"),
+            dict(kind="multi_worker", communication="auto", num_replicas=2),
         ),
         (
             dict(num_gpus=2, num_workers=2, communication="nccl", bytes_per_pack=1 << 20,
                  timeout_seconds=30),
             dict(kind="multi_worker", communication="nccl", bytes_per_pack=1 << 20,
-                 timeout_seconds=30, warnings=()),
+                 timeout_seconds=30, warnings=(), num_replicas=4),
         ),
         (
             dict(kind="multi_worker", num_gpus=0, communication="ring"),

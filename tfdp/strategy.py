@@ -42,6 +42,9 @@ class StrategyPlan:
         timeout_seconds: for `multi_worker`: collective timeout in seconds, or
             `None` to wait forever.
         warnings: fallbacks taken, each logged once when the strategy is built.
+        num_replicas: replicas in sync the strategy will have, over all
+            workers (known before it is built, to validate batch sizes before
+            any collective starts).
     """
 
     kind: str
@@ -52,6 +55,7 @@ class StrategyPlan:
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     warnings: tuple[str, ...] = ()
+    num_replicas: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +223,7 @@ def plan_strategy(
             bytes_per_pack=bytes_per_pack,
             timeout_seconds=timeout_seconds,
             warnings=tuple(warnings),
+            num_replicas=num_workers * max(num_gpus, 1),
         )
 
     # kind == "mirrored"
@@ -246,6 +251,7 @@ def plan_strategy(
         cross_device_ops=chosen,
         num_packs=num_packs,
         warnings=tuple(warnings),
+        num_replicas=len(devices) if devices is not None else num_gpus,
     )
 
 
@@ -360,6 +366,29 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
     )
 
 
+def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
+    """`plan_strategy` for this host's GPUs and this job's cluster.
+
+    Reads the physical GPU list (without initialising TensorFlow's devices)
+    and TF_CONFIG or the Slurm environment (validating TF_CONFIG). Lets a
+    program check batch sizes against `plan.num_replicas` before
+    `make_strategy` starts any collective.
+
+    Args:
+        kind: see `make_strategy`.
+        **kwargs: `make_strategy`'s other arguments.
+
+    Returns:
+        A `StrategyPlan`.
+    """
+    return plan_strategy(
+        kind,
+        num_gpus=len(tf.config.list_physical_devices("GPU")),
+        num_workers=_num_workers(os.environ),
+        **kwargs,
+    )
+
+
 def make_strategy(
     kind: str = "auto",
     *,
@@ -420,10 +449,8 @@ def make_strategy(
     ...     model = build_model()
     ...     model.compile(optimizer="sgd", loss="mse")
     """
-    plan = plan_strategy(
+    plan = plan_from_environment(
         kind,
-        num_gpus=len(tf.config.list_physical_devices("GPU")),
-        num_workers=_num_workers(os.environ),
         cpu_replicas=cpu_replicas,
         cross_device_ops=cross_device_ops,
         num_packs=num_packs,
