@@ -1,4 +1,8 @@
-"""Layering rules: `tfdp` never imports `pipelines` or `models`."""
+"""Layering rules: `tfdp` never imports `pipelines` or `models`.
+
+The one exception is the `tfdp-train` entry point, `tfdp/train.py`, whose job
+is to wire them into the library (`tfdp.experiment` takes them as arguments).
+"""
 
 import ast
 import pathlib
@@ -7,6 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FORBIDDEN = {"pipelines", "models"}
+ENTRY_POINTS = {"tfdp/train.py"}
 
 
 def _imported_top_level_modules(path: pathlib.Path):
@@ -20,7 +25,10 @@ def _imported_top_level_modules(path: pathlib.Path):
 
 
 @pytest.mark.parametrize(
-    "path", sorted((ROOT / "tfdp").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+    "path",
+    sorted(p for p in (ROOT / "tfdp").rglob("*.py")
+           if str(p.relative_to(ROOT)) not in ENTRY_POINTS),
+    ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_tfdp_does_not_import_pipelines_or_models(path):
     offending = [
