@@ -5,7 +5,8 @@ sees it: which tasks exist, at which `host:port` addresses, and which task this
 process is. It parses and validates `TF_CONFIG` (so a typo fails in a second
 with a message naming the field, instead of a hang in the first collective),
 builds TF_CONFIG for N workers on one host (used by `python -m launch`), picks
-free ports and reads the task count of a Slurm job step.
+free ports and reads the task count of a Slurm job step (the step's cluster
+itself is `tfdp.slurm`'s).
 
 It does not import TensorFlow and does not build strategies: that is
 `tfdp.strategy`'s job. Launching processes belongs to the `launch` package.
@@ -547,7 +548,8 @@ def local_tf_config(
 
 # Slurm sets the task count of the current job step in SLURM_STEP_NUM_TASKS
 # (srun); SLURM_NTASKS / SLURM_NPROCS hold the job's --ntasks in the batch
-# script. Full Slurm support (node lists, ranks) is separate work.
+# script. The cluster of a job step (node lists, ranks, ports) is
+# `tfdp.slurm.cluster_config`'s job.
 _SLURM_TASK_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
 
 
@@ -555,7 +557,9 @@ def slurm_num_tasks(environ: Mapping[str, str] | None = None) -> int | None:
     """Returns the number of tasks of the current Slurm job step, or `None`.
 
     Reads `SLURM_STEP_NUM_TASKS` (set by `srun` in a job step), falling back to
-    `SLURM_NTASKS` and then `SLURM_NPROCS` (set for the whole job).
+    `SLURM_NTASKS` and then `SLURM_NPROCS` (set for the whole job). This is
+    the allocation's task count; how many workers actually run, and where,
+    is `tfdp.slurm.cluster_config` (only a job step runs several workers).
 
     Args:
         environ: the environment to read. Defaults to `os.environ`.

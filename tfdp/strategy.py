@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import cluster as cluster_lib
+from tfdp import slurm
 
 KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "collective")
@@ -320,20 +321,42 @@ def _communication_options(plan: StrategyPlan):
     )
 
 
+def _slurm_cluster(environ: Mapping[str, str]):
+    """This Slurm job step's `ClusterConfig` when it has several tasks, else None."""
+    config = slurm.cluster_config(environ)
+    return config if config is not None and config.num_workers > 1 else None
+
+
 def _cluster_resolver(environ: Mapping[str, str]):
-    """The resolver for this job's cluster: TF_CONFIG first, then Slurm."""
+    """The resolver for this job's cluster: TF_CONFIG first, then a Slurm job step.
+
+    For Slurm, `tfdp.slurm` reads the step's environment (TensorFlow's
+    `SlurmClusterResolver` fails on CPU-only nodes and misorders nodes such as
+    `node[9-10]`; see that module) and the cluster reaches TensorFlow as a
+    `SimpleClusterResolver`. MultiWorkerMirroredStrategy takes a non-TF_CONFIG
+    resolver's GPU count from `num_accelerators()`, so it is this task's
+    visible GPUs (Slurm's `--gpus-per-task` binding is already applied).
+    """
     if cluster_lib.parse_tf_config(environ=environ) is not None:
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    if (cluster_lib.slurm_num_tasks(environ) or 1) > 1:
-        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+    config = _slurm_cluster(environ)
+    if config is not None:
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({job: list(tasks) for job, tasks in config.cluster.items()}),
+            task_type=config.task_type,
+            task_id=config.task_index,
+            num_accelerators={"GPU": len(tf.config.list_physical_devices("GPU"))},
+            rpc_layer="grpc",
+        )
     return None
 
 
 def _num_workers(environ: Mapping[str, str]) -> int:
+    """Workers in this job: from TF_CONFIG, else the Slurm job step, else 1."""
     config = cluster_lib.parse_tf_config(environ=environ)
-    if config is not None:
-        return config.num_workers
-    return cluster_lib.slurm_num_tasks(environ) or 1
+    if config is None:
+        config = _slurm_cluster(environ)
+    return 1 if config is None else config.num_workers
 
 
 def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
