@@ -1,0 +1,36 @@
+"""Keras models for tfdp, by name: `models.get("cnn", input_shape=..., num_classes=...)`.
+
+Every model maps one batch of examples to float32 logits of shape
+`(batch, num_classes)` (train it with
+`SparseCategoricalCrossentropy(from_logits=True)`), also under the
+`mixed_float16` and `mixed_bfloat16` dtype policies. Registered models:
+
+- `mlp`: flattens any input; `cnn`: small CNN for 8x8 digits and MNIST.
+- `resnet20`, `resnet32`, `resnet56`: CIFAR ResNets v1 (He et al., 2016).
+- `resnet50`: `keras.applications.ResNet50`, random weights, >= 32x32 input.
+- `transformer`: encoder classifier over int token ids `(batch, seq_len)`.
+
+Register your own with `@models.register("name")`. `tfdp` never imports
+`models`: `tfdp-train` passes `models.get` to `tfdp.experiment`.
+"""
+
+import os as _os
+
+_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from models.registry import get  # noqa: E402
+from models.registry import names  # noqa: E402
+from models.registry import register  # noqa: E402
+
+# Importing the family modules registers their builders.
+from models import cnn as _cnn  # noqa: E402, F401
+from models import mlp as _mlp  # noqa: E402, F401
+from models import resnet50 as _resnet50  # noqa: E402, F401
+from models import resnet_cifar as _resnet_cifar  # noqa: E402, F401
+from models import transformer as _transformer  # noqa: E402, F401
+
+__all__ = [
+    "get",
+    "names",
+    "register",
+]

@@ -1,0 +1,61 @@
+"""`resnet50`: Keras' ImageNet ResNet-50, randomly initialised.
+
+This module owns the `resnet50` builder: `keras.applications.ResNet50` with
+`weights=None` (nothing is downloaded), without its top, average-pooled, and
+the float32 logits head in place of Keras' softmax classifier (whose dtype
+would follow the mixed precision policy). The bottleneck architecture is
+Keras'; this module only checks the input size and attaches the head.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+
+from models import common
+from models import registry
+
+NAME = "resnet50"
+#: Smallest height and width keras.applications.ResNet50 accepts (5 stride-2 stages).
+MIN_SIZE = 32
+
+
+@registry.register(NAME)
+def resnet50(*, input_shape: Sequence[int], num_classes: int) -> keras.Model:
+    """Builds ResNet-50 (He et al., 2016) with random weights.
+
+    Args:
+        input_shape: `(height, width, channels)` with height and width >=
+            32, e.g. `(224, 224, 3)` for ImageNet. Pixels are expected as
+            floats (scaled or standardised by the input pipeline).
+        num_classes: logit width (>= 2).
+
+    Returns:
+        A `keras.Model` (about 23.5M parameters plus 2049 x `num_classes`)
+        from float32 images to float32 logits `(batch, num_classes)`.
+
+    Raises:
+        ValueError: `input_shape` is not `(height, width, channels)` with
+            height and width >= 32, or `num_classes` is invalid.
+    """
+    input_shape = common.check_input_shape(
+        NAME, input_shape, rank=3, expected="(height, width, channels)",
+        hint="Add a channel axis to grey 2-D images.",
+    )
+    if min(input_shape[:2]) < MIN_SIZE:
+        raise ValueError(
+            f"`input_shape` of model {NAME!r} must have height and width >= "
+            f"{MIN_SIZE} (ResNet-50 downsamples 32x). Received: "
+            f"input_shape={input_shape!r}. Resize the images in the input pipeline "
+            f"(e.g. tf.image.resize to 32x32 or more), or use model 'resnet20' or "
+            f"'cnn' for small images."
+        )
+    num_classes = common.check_num_classes(NAME, num_classes)
+
+    inputs = keras.Input(input_shape, name="images")
+    backbone = keras.applications.ResNet50(
+        include_top=False, weights=None, input_shape=input_shape, pooling="avg"
+    )
+    x = backbone(inputs)
+    return keras.Model(inputs, common.logits(x, num_classes), name=NAME)
