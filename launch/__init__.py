@@ -1,23 +1,39 @@
 """tfdp's process launcher: `python -m launch --nproc_per_node N -- COMMAND ...`.
 
 Starts N worker processes of COMMAND on this host, each with its own
-`TF_CONFIG` on 127.0.0.1 and the `TFDP_RANK`, `TFDP_LOCAL_RANK`,
-`TFDP_WORLD_SIZE` and `TFDP_LOCAL_WORLD_SIZE` variables (see `launch.local`),
-prefixes every output line with the worker's rank (`[0] ...`), forwards
-SIGINT/SIGTERM to the workers, and stops them all as soon as one fails.
+`TF_CONFIG` and the `TFDP_RANK`, `TFDP_LOCAL_RANK`, `TFDP_WORLD_SIZE`,
+`TFDP_LOCAL_WORLD_SIZE`, `TFDP_NODE_RANK` and `TFDP_RESTART_COUNT` variables
+(see `launch.local`), prefixes every output line with the worker's rank
+(`[0] ...`), forwards SIGINT/SIGTERM to the workers, and stops them all as soon
+as one fails.
 
-Exit status of `python -m launch`:
+- Several nodes: `--nnodes M --node_rank R --hosts H0:P0,H1:P1,...`, the same
+  command on every node with its own `--node_rank`; node r's worker i listens
+  on `H_r:P_r+i` and has global rank `r*N+i` (`launch.nodes`).
+- Binding: TensorFlow's gRPC server listens on *all* interfaces whatever the
+  TF_CONFIG address says, and nothing in TensorFlow 2.21 restricts it (see
+  `launch.nodes`). `--hosts` addresses that are not loopback therefore need
+  `--bind_all`, which logs a warning that the endpoints are unauthenticated.
+- Restarts: `--max_restarts K` stops and restarts the whole group after a
+  worker fails, up to K times (`launch.restarts`); a signal never restarts.
+- Schedulers: `python -m launch slurm ...` writes or submits an sbatch script
+  (`launch.slurm`; the workers then find the cluster through `tfdp.slurm`),
+  `python -m launch k8s ...` writes a Kubeflow TFJob manifest (`launch.k8s`).
+
+Exit status of `python -m launch` (without a subcommand):
 
 - 0: every worker exited 0.
-- the first failing worker's exit status, or 128 + signum if a signal killed
-  it (e.g. 137 for SIGKILL);
+- the failing worker's exit status (the last attempt's, with restarts), or
+  128 + signum if a signal killed it (e.g. 137 for SIGKILL);
 - 128 + signum when the launcher received SIGINT (130) or SIGTERM (143);
 - 2: invalid arguments (nothing was started);
 - 126/127: a worker could not be started.
 
 Modules: `launch.local` (what each worker runs, with which environment),
-`launch.worker_group` (start, supervise, stop a set of processes),
-`launch.output` (rank-prefixed output), `launch.signals` (signal catching),
-`launch._proc` (process groups, /proc, reaping). This package may import
-`tfdp.cluster`; `tfdp` never imports `launch`.
+`launch.nodes` (multi-node layout and address checks), `launch.restarts`
+(the attempt loop), `launch.worker_group` (start, supervise, stop a set of
+processes), `launch.output` (rank-prefixed output, log tails),
+`launch.signals` (signal catching), `launch._proc` (process groups, /proc,
+reaping), `launch.slurm` and `launch.k8s` (scheduler files). This package may
+import `tfdp.cluster`; `tfdp` never imports `launch`.
 """

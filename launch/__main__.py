@@ -1,11 +1,15 @@
-"""Command line of the local launcher; the work is in `launch.local`.
+"""Command line of the launcher; the work is in `launch.local`, `launch.slurm`, `launch.k8s`.
 
 Usage:
 
-    python -m launch --nproc_per_node N [--port P] [--grace_period S] -- COMMAND [ARGS...]
+    python -m launch --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]
+                     [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]
+                     -- COMMAND [ARGS...]
+    python -m launch slurm --nodes M --ntasks_per_node N [...] [--submit] -- COMMAND [ARGS...]
+    python -m launch k8s --image IMAGE --workers N [...] [--output FILE] -- COMMAND [ARGS...]
 
 Reads the flags, validates them (exit status 2 with a message, before anything
-starts), then runs `launch.local.run_plan`. See the `launch` package docstring
+starts), then calls one library function. See the `launch` package docstring
 for the workers' environment and the exit codes.
 """
 
@@ -13,51 +17,73 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from launch import _proc
 from launch import local
 
-_EPILOG = """\
-Each worker gets TF_CONFIG (a "worker" task on 127.0.0.1; worker 0 is the chief),
-TFDP_RANK, TFDP_LOCAL_RANK, TFDP_WORLD_SIZE, TFDP_LOCAL_WORLD_SIZE and
-PYTHONUNBUFFERED=1. Output lines are prefixed with "[RANK] ".
+_LAUNCH_EPILOG = """\
+Workers. Each worker gets TF_CONFIG (a "worker" task; worker 0 is the chief),
+TFDP_RANK, TFDP_LOCAL_RANK, TFDP_WORLD_SIZE, TFDP_LOCAL_WORLD_SIZE,
+TFDP_NODE_RANK, TFDP_RESTART_COUNT and PYTHONUNBUFFERED=1. Output lines are
+prefixed with "[RANK] ".
 
-Exit status: 0 if every worker exited 0; else the first failing worker's status
+Several nodes. Run the same command on every node, each with its own
+--node_rank. --hosts lists every node's address and first port in node-rank
+order: node r's local worker i listens on host_r:port_r+i and has global rank
+r*N+i. Addresses that are not loopback need --bind_all: TensorFlow's gRPC
+server listens on all interfaces whatever the address (it cannot be told
+otherwise) and has no authentication, so a job reachable from other machines
+must run on a private, firewalled network.
+
+Restarts. With --max_restarts K, when a worker fails the whole group is
+stopped and started again (fresh free ports, or the same fixed ones), up to K
+times; the program resumes from its latest checkpoint. A signal to the
+launcher never restarts. When no restart is left, the failing worker's last
+20 lines are repeated on stderr.
+
+Exit status: 0 if every worker exited 0; else the failing worker's status
 (128+N if signal N killed it); 128+N if the launcher got signal N (SIGINT: 130,
 SIGTERM: 143); 2 for invalid arguments; 126/127 if a worker could not start.
 
-Example: python -m launch --nproc_per_node 2 -- python train.py --epochs 1
+Cluster schedulers: `python -m launch slurm --help` (an sbatch script),
+`python -m launch k8s --help` (a Kubeflow TFJob manifest).
+
+Examples:
+  python -m launch --nproc_per_node 2 -- python train.py --epochs 1
+  python -m launch --nproc_per_node 2 --nnodes 2 --node_rank 0 \\
+      --hosts 10.0.0.1:2222,10.0.0.2:2222 --bind_all -- python train.py
+"""
+
+_SLURM_EPILOG = """\
+Prints an sbatch script (#SBATCH lines, then one `srun` running COMMAND as
+nodes x ntasks_per_node tasks), or submits it with sbatch when --submit is
+given. Each task is one tfdp worker; tfdp.make_strategy() finds the cluster in
+srun's SLURM_* variables (no TF_CONFIG). Ports: TFDP_SLURM_PORT_BASE, else
+srun --resv-ports, else derived from the job id.
+
+Example:
+  python -m launch slurm --nodes 2 --ntasks_per_node 1 --gpus_per_node 4 \\
+      --time 02:00:00 -- python train.py > job.sbatch && sbatch job.sbatch
+"""
+
+_K8S_EPILOG = """\
+Writes a Kubeflow TFJob manifest (kubeflow.org/v1; needs the Kubeflow Training
+Operator): N worker replicas running COMMAND in a container named
+"tensorflow", restartPolicy OnFailure. The operator sets every pod's
+TF_CONFIG; worker 0 is the chief.
+
+Example:
+  python -m launch k8s --image registry.example.com/tfdp:0.1 --workers 4 \\
+      --gpus_per_worker 1 --output tfjob.yaml -- tfdp-train --model mlp
+  kubectl apply -f tfjob.yaml
 """
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m launch",
-        usage="%(prog)s --nproc_per_node N [--port P] [--grace_period S] -- COMMAND [ARGS ...]",
-        description="Run COMMAND as N worker processes of one multi-worker job on this host.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--nproc_per_node", type=int, required=True, metavar="N",
-                        help="number of worker processes to start (>= 1)")
-    parser.add_argument("--port", type=int, default=None, metavar="P",
-                        help="worker i listens on port P+i (default: free ports)")
-    parser.add_argument("--grace_period", type=float, default=local.DEFAULT_GRACE_PERIOD,
-                        metavar="S",
-                        help="seconds between SIGTERM (or a forwarded SIGINT) and SIGKILL "
-                             f"when stopping workers (default: {local.DEFAULT_GRACE_PERIOD:g})")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parses `argv` (default: `sys.argv[1:]`), runs the launch, returns its status.
-
-    Raises:
-        SystemExit: with status 2 and a message for invalid arguments.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
+def _split_command(parser: argparse.ArgumentParser, argv: Sequence[str],
+                   example: str) -> tuple[argparse.Namespace, list[str]]:
+    """Parses the flags before `--`; returns them and the command after it."""
+    argv = list(argv)
     if "--" in argv:
         split = argv.index("--")
         flags, command = argv[:split], argv[split + 1:]
@@ -66,14 +92,79 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(flags)
     if unknown:
         parser.error(f"unrecognized arguments before `--`: {' '.join(unknown)}. Put the "
-                     "worker command after `--`, e.g. "
-                     "`python -m launch --nproc_per_node 2 -- python train.py`")
+                     f"worker command after `--`, e.g. `{example}`")
     if not command:
-        parser.error("missing COMMAND after `--`: give the program every worker runs, e.g. "
-                     "`python -m launch --nproc_per_node 2 -- python train.py`")
+        parser.error(f"missing COMMAND after `--`: give the program every worker runs, "
+                     f"e.g. `{example}`")
+    return args, command
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch",
+        usage=("%(prog)s --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]\n"
+               "       [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]\n"
+               "       -- COMMAND [ARGS ...]\n"
+               "   or: %(prog)s {slurm,k8s} ... -- COMMAND [ARGS ...]"),
+        description="Run COMMAND as N worker processes of one multi-worker job on this host "
+                    "(or as this node's N workers of a job over several hosts).",
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nproc_per_node", type=int, required=True, metavar="N",
+                        help="number of worker processes to start on this node (>= 1)")
+    parser.add_argument("--port", type=int, default=None, metavar="P",
+                        help="one node: worker i listens on port P+i (default: free ports)")
+    parser.add_argument("--grace_period", type=float, default=local.DEFAULT_GRACE_PERIOD,
+                        metavar="S",
+                        help="seconds between SIGTERM (or a forwarded SIGINT) and SIGKILL "
+                             f"when stopping workers (default: {local.DEFAULT_GRACE_PERIOD:g})")
+    parser.add_argument("--max_restarts", type=int, default=0, metavar="K",
+                        help="restart the whole group up to K times after a worker fails "
+                             "(default: 0)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M",
+                        help="number of nodes in the job (default: 1)")
+    parser.add_argument("--node_rank", type=int, default=0, metavar="R",
+                        help="this node's rank, in [0, M) (default: 0)")
+    parser.add_argument("--hosts", default=None, metavar="H0:P0,H1:P1,...",
+                        help="every node's address and first worker port, in node-rank "
+                             "order (needed when M > 1)")
+    parser.add_argument("--bind_all", action="store_true",
+                        help="accept --hosts addresses other machines can reach (the gRPC "
+                             "endpoints are unauthenticated; logs a warning)")
+    return parser
+
+
+def _main_launch(argv: Sequence[str]) -> int:
+    parser = _launch_parser()
+    args, command = _split_command(parser, argv,
+                                   "python -m launch --nproc_per_node 2 -- python train.py")
+    multi_node = args.hosts is not None or args.nnodes != 1
     try:
-        plan = local.plan_local(command, nproc_per_node=args.nproc_per_node,
-                                port=args.port, grace_period=args.grace_period)
+        if multi_node:
+            if args.hosts is None:
+                parser.error(
+                    f"--hosts is required with --nnodes {args.nnodes}: give every node's "
+                    "address and first port, in node-rank order, e.g. "
+                    "--hosts 10.0.0.1:2222,10.0.0.2:2222")
+            if args.port is not None:
+                parser.error(
+                    f"--port cannot be combined with --hosts (the ports come from --hosts: "
+                    f"node r's worker i uses port_r+i). Received: --port {args.port}")
+            plan = local.plan_nodes(command, nnodes=args.nnodes, node_rank=args.node_rank,
+                                    hosts=args.hosts, nproc_per_node=args.nproc_per_node,
+                                    bind_all=args.bind_all, grace_period=args.grace_period,
+                                    max_restarts=args.max_restarts)
+        else:
+            if args.node_rank != 0:
+                parser.error(f"--node_rank {args.node_rank} needs --nnodes > 1 and --hosts "
+                             "(a one-node launch is node 0).")
+            if args.bind_all:
+                parser.error("--bind_all only applies with --hosts: a one-node launch uses "
+                             "127.0.0.1 addresses.")
+            plan = local.plan_local(command, nproc_per_node=args.nproc_per_node,
+                                    port=args.port, grace_period=args.grace_period,
+                                    max_restarts=args.max_restarts)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     # This process owns every process it starts: adopt orphaned grandchildren
@@ -85,6 +176,126 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[launch] warning: processes outside the workers' process groups are "
               f"still running: pids {leftovers}", file=sys.stderr)
     return status
+
+
+def _main_slurm(argv: Sequence[str]) -> int:
+    from launch import slurm
+
+    parser = argparse.ArgumentParser(
+        prog="python -m launch slurm",
+        usage=("%(prog)s --nodes M --ntasks_per_node N [--partition P] [--time T]\n"
+               "       [--gpus_per_node G] [--job_name J] [--submit] -- COMMAND [ARGS ...]"),
+        description="Write (or submit) a Slurm batch script running COMMAND as a tfdp job.",
+        epilog=_SLURM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nodes", type=int, required=True, metavar="M",
+                        help="number of nodes (>= 1)")
+    parser.add_argument("--ntasks_per_node", type=int, required=True, metavar="N",
+                        help="workers (Slurm tasks) per node (>= 1)")
+    parser.add_argument("--partition", default=None, metavar="P", help="Slurm partition")
+    parser.add_argument("--time", default=None, metavar="T",
+                        help="time limit, e.g. 90 (minutes), 02:00:00 or 1-12:00:00")
+    parser.add_argument("--gpus_per_node", type=int, default=0, metavar="G",
+                        help="GPUs per node (default: 0)")
+    parser.add_argument("--job_name", default="tfdp", metavar="J",
+                        help="job name (default: tfdp)")
+    parser.add_argument("--submit", action="store_true",
+                        help="submit the script with sbatch instead of printing it")
+    args, command = _split_command(
+        parser, argv, "python -m launch slurm --nodes 2 --ntasks_per_node 1 -- python train.py")
+    try:
+        job = slurm.plan_job(command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
+                             partition=args.partition, time=args.time,
+                             gpus_per_node=args.gpus_per_node, job_name=args.job_name)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    script = slurm.batch_script(job)
+    if not args.submit:
+        sys.stdout.write(script)
+        return 0
+    try:
+        result = slurm.submit(script)
+    except ValueError as e:
+        parser.error(str(e))
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    if result.returncode != 0:
+        print(f"[launch] sbatch failed with exit code {result.returncode}; the script was:\n"
+              f"{script}", file=sys.stderr)
+    return result.returncode
+
+
+def _main_k8s(argv: Sequence[str]) -> int:
+    from launch import k8s
+
+    parser = argparse.ArgumentParser(
+        prog="python -m launch k8s",
+        usage=("%(prog)s --image IMAGE --workers N [--name NAME] [--namespace NS]\n"
+               "       [--gpus_per_worker G] [--cpu C] [--memory M] [--output FILE]\n"
+               "       -- COMMAND [ARGS ...]"),
+        description="Write a Kubeflow TFJob manifest running COMMAND as a tfdp job.",
+        epilog=_K8S_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--image", required=True, metavar="IMAGE",
+                        help="container image with tfdp and the program")
+    parser.add_argument("--workers", type=int, required=True, metavar="N",
+                        help="number of worker replicas (>= 1)")
+    parser.add_argument("--name", default="tfdp", metavar="NAME",
+                        help="TFJob name, an RFC 1123 DNS label (default: tfdp)")
+    parser.add_argument("--namespace", default=None, metavar="NS", help="Kubernetes namespace")
+    parser.add_argument("--gpus_per_worker", type=int, default=0, metavar="G",
+                        help="nvidia.com/gpu per worker (default: 0)")
+    parser.add_argument("--cpu", default=None, metavar="C",
+                        help="CPU request and limit per worker, e.g. 4 or 500m")
+    parser.add_argument("--memory", default=None, metavar="M",
+                        help="memory request and limit per worker, e.g. 16Gi")
+    parser.add_argument("--output", default=None, metavar="FILE",
+                        help="write the manifest to FILE (default: stdout)")
+    args, command = _split_command(
+        parser, argv, "python -m launch k8s --image IMAGE --workers 2 -- tfdp-train")
+    try:
+        spec = k8s.plan_tfjob(command, image=args.image, workers=args.workers, name=args.name,
+                              namespace=args.namespace, gpus_per_worker=args.gpus_per_worker,
+                              cpu=args.cpu, memory=args.memory)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    text = k8s.to_yaml(spec)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "w") as f:
+            f.write(text)
+    except OSError as e:
+        parser.error(f"--output {args.output!r} cannot be written ({e.strerror}). "
+                     "Choose a writable path.")
+    print(f"[launch] wrote a TFJob manifest for {spec.workers} worker(s) to {args.output}; "
+          f"apply it with: kubectl apply -f {args.output}", file=sys.stderr)
+    return 0
+
+
+#: Subcommands; without one, `python -m launch` launches workers itself.
+SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "slurm": _main_slurm,
+    "k8s": _main_k8s,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses `argv` (default: `sys.argv[1:]`), runs the launch, returns its status.
+
+    `slurm` or `k8s` as the first argument selects that subcommand; anything
+    else is a launch of workers on this node.
+
+    Raises:
+        SystemExit: with status 2 and a message for invalid arguments.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    return _main_launch(argv)
 
 
 if __name__ == "__main__":

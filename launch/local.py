@@ -1,23 +1,33 @@
-"""Run N workers of one command on this host, as one multi-worker job.
+"""Run this node's workers of one multi-worker job.
 
-This module owns the *local* launch: it validates the launch arguments, picks
-one loopback port per worker, and gives each worker its environment (TF_CONFIG
-plus the `TFDP_*` rank variables below). Starting, watching and stopping the
-processes is `launch.worker_group`'s job; parsing flags is `launch.__main__`'s.
+This module owns what each worker runs, with which environment: it validates
+the launch arguments, picks or checks the workers' ports, and gives each
+worker its TF_CONFIG and `TFDP_*` variables. Two launches share it:
+
+- one host (`plan_local`): N workers on 127.0.0.1;
+- one node of several (`plan_nodes`): this node's N of the M x N workers laid
+  out by `--hosts` (see `launch.nodes` for the layout rule and for how
+  TensorFlow binds its ports).
+
+Starting, watching and stopping the processes is `launch.worker_group`'s job,
+restarting them `launch.restarts`', parsing flags `launch.__main__`'s.
 
 Every worker gets, on top of the launcher's environment:
 
-- `TF_CONFIG`: `{"cluster": {"worker": ["127.0.0.1:P0", ...]},
-  "task": {"type": "worker", "index": RANK}}`. Worker 0 is the chief
+- `TF_CONFIG`: `{"cluster": {"worker": [ADDRESS_0, ADDRESS_1, ...]},
+  "task": {"type": "worker", "index": RANK}}`, every worker of the job in
+  global-rank order (`127.0.0.1:PORT` on one host). Worker 0 is the chief
   (TensorFlow's rule when there is no "chief" task). It is set for N=1 too, so
   a script behaves the same with one worker as with several (a one-worker
   `MultiWorkerMirroredStrategy`). A TF_CONFIG already in the environment is
   replaced.
 - `TFDP_RANK`: the worker's global rank, 0..WORLD_SIZE-1.
-- `TFDP_LOCAL_RANK`: its rank on this host, 0..nproc_per_node-1 (equal to
-  `TFDP_RANK` for a single-host launch).
-- `TFDP_WORLD_SIZE`: total number of workers.
-- `TFDP_LOCAL_WORLD_SIZE`: number of workers on this host.
+- `TFDP_LOCAL_RANK`: its rank on this node, 0..nproc_per_node-1.
+- `TFDP_WORLD_SIZE`: total number of workers (nnodes x nproc_per_node).
+- `TFDP_LOCAL_WORLD_SIZE`: number of workers on this node.
+- `TFDP_NODE_RANK`: this node's rank (0 on one host).
+- `TFDP_RESTART_COUNT`: 0 for the first attempt, then 1, 2, ... for each
+  restart of the group (`--max_restarts`).
 - `PYTHONUNBUFFERED=1`, so Python workers' output arrives line by line.
 
 Workers read stdin from /dev/null and inherit the launcher's working directory.
@@ -26,34 +36,51 @@ Workers read stdin from /dev/null and inherit the launcher's working directory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
 import socket
-from typing import Any, BinaryIO, Mapping, Sequence
+import time
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 from tfdp import cluster as cluster_lib
 
-from launch.signals import SignalCatcher
-from launch.worker_group import WorkerGroup, WorkerSpec
+from launch import nodes as nodes_lib
+from launch import restarts
+from launch.worker_group import WorkerSpec
 
 #: Default seconds between the polite signal (SIGTERM/SIGINT) and SIGKILL.
 DEFAULT_GRACE_PERIOD = 5.0
-#: Address every local worker listens on.
+#: Address every worker of a one-host launch is reached at.
 LOOPBACK = "127.0.0.1"
+#: Seconds a restart waits for fixed ports to become free again.
+PORT_WAIT_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalLaunchPlan:
-    """A validated local launch, ready to run: one `WorkerSpec` per worker.
+    """A validated launch of this node's workers, ready to run.
 
     Attributes:
         command: the command every worker runs.
-        nproc_per_node: number of workers.
-        ports: the port of each worker, by rank.
+        nproc_per_node: number of workers on this node.
+        ports: this node's worker ports, by local rank.
         grace_period: seconds between the polite signal and SIGKILL.
-        workers: one spec per worker, rank order.
+        workers: one spec per worker of this node, local-rank order.
+        max_restarts: how many times the group may be restarted after a
+            worker fails. Defaults to 0.
+        fixed_ports: whether a restart reuses `ports` (`--port`, `--hosts`)
+            or picks fresh free ones. Defaults to True.
+        nnodes: number of nodes in the job. Defaults to 1.
+        node_rank: this node's rank. Defaults to 0.
+        host: the address this node's workers are reached at. Defaults to
+            `LOOPBACK`.
+        addresses: every worker's `host:port` in global-rank order; empty
+            means `host:port` for each of `ports`. Defaults to ().
+        bind_all: whether `--bind_all` was given (a warning is logged).
+            Defaults to False.
+        exposed: `--hosts` entries other machines can reach, accepted with
+            `--bind_all`; the warning names them. Defaults to ().
     """
 
     command: tuple[str, ...]
@@ -61,6 +88,31 @@ class LocalLaunchPlan:
     ports: tuple[int, ...]
     grace_period: float
     workers: tuple[WorkerSpec, ...]
+    max_restarts: int = 0
+    fixed_ports: bool = True
+    nnodes: int = 1
+    node_rank: int = 0
+    host: str = LOOPBACK
+    addresses: tuple[str, ...] = ()
+    bind_all: bool = False
+    exposed: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers in the whole job."""
+        return self.nnodes * self.nproc_per_node
+
+    def describe(self, attempt: int = 0) -> str:
+        """The start-up line, e.g. `starting 2 worker(s) on 127.0.0.1 ports ...`."""
+        text = (f"starting {self.nproc_per_node} worker(s) on {self.host} ports "
+                f"{','.join(map(str, self.ports))}")
+        if self.nnodes > 1:
+            first = self.node_rank * self.nproc_per_node
+            text += (f" (node {self.node_rank} of {self.nnodes}: ranks {first}.."
+                     f"{first + self.nproc_per_node - 1} of {self.world_size})")
+        if self.max_restarts:
+            text += f" (attempt {attempt + 1} of {self.max_restarts + 1})"
+        return f"{text}: {' '.join(self.command)}"
 
 
 def _echo(value: Any) -> str:
@@ -91,56 +143,7 @@ def _check_command(command: Sequence[str], path: str | None) -> tuple[str, ...]:
     return tuple(command)
 
 
-def _check_ports_free(ports: Sequence[int], host: str) -> None:
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            # Servers (gRPC included) set SO_REUSEADDR: do the same, so a port
-            # in TIME_WAIT from a previous run counts as free.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as e:
-                raise ValueError(
-                    f"`port` range {ports[0]}..{ports[-1]} must be free on {host}, but "
-                    f"port {port} is in use ({e.strerror}). Choose another `port`, or "
-                    f"omit it to pick free ports. Received: port={ports[0]}"
-                ) from None
-
-
-def plan_local(
-    command: Sequence[str],
-    *,
-    nproc_per_node: int,
-    port: int | None = None,
-    grace_period: float = DEFAULT_GRACE_PERIOD,
-    environ: Mapping[str, str] | None = None,
-) -> LocalLaunchPlan:
-    """Validates a local launch and builds every worker's command and environment.
-
-    Nothing is started: every argument error surfaces here, in a second.
-
-    Args:
-        command: program and arguments every worker runs (no shell).
-        nproc_per_node: number of workers to start. Must be >= 1.
-        port: first port; worker `i` listens on `port + i`. All of them must be
-            free on 127.0.0.1 and <= 65535. If `None`, picks free ports.
-            Defaults to `None`.
-        grace_period: seconds between the polite signal (SIGTERM, or the
-            forwarded SIGINT/SIGTERM) and SIGKILL. Must be finite and >= 0.
-            Defaults to `DEFAULT_GRACE_PERIOD` (5 s).
-        environ: base environment of every worker. Defaults to `os.environ`.
-
-    Returns:
-        A `LocalLaunchPlan`.
-
-    Raises:
-        TypeError: if an argument has the wrong type.
-        ValueError: if `command` is empty or its program cannot be found,
-            `nproc_per_node` < 1, `port` is out of range or in use, or
-            `grace_period` is negative or not finite.
-    """
-    environ = dict(os.environ if environ is None else environ)
-    command = _check_command(command, environ.get("PATH"))
+def _check_nproc(nproc_per_node: Any) -> None:
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int):
         raise TypeError(
             f"`nproc_per_node` must be an int. Received: nproc_per_node={_echo(nproc_per_node)}"
@@ -150,6 +153,9 @@ def plan_local(
             "`nproc_per_node` must be >= 1 (the number of worker processes to start). "
             f"Received: nproc_per_node={nproc_per_node}"
         )
+
+
+def _check_grace_period(grace_period: Any) -> None:
     if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)):
         raise TypeError(
             "`grace_period` must be a number of seconds. "
@@ -160,8 +166,126 @@ def plan_local(
             "`grace_period` must be a finite number of seconds >= 0. "
             f"Received: grace_period={grace_period}"
         )
+
+
+def _check_max_restarts(max_restarts: Any) -> None:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int):
+        raise TypeError(
+            f"`max_restarts` must be an int. Received: max_restarts={_echo(max_restarts)}"
+        )
+    if max_restarts < 0:
+        raise ValueError(
+            "`max_restarts` must be >= 0 (how many times a failed group is restarted; "
+            f"0 stops at the first failure). Received: max_restarts={max_restarts}"
+        )
+
+
+def port_in_use(port: int) -> str | None:
+    """Why `port` cannot be bound on all interfaces now, or `None` if it can.
+
+    Binds where TensorFlow will (`launch.nodes`: all interfaces, IPv6
+    dual-stack `[::]` where available, else `0.0.0.0`), with `SO_REUSEADDR`
+    as gRPC does, so a port in TIME_WAIT from a previous run counts as free.
+    """
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this machine
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                return e.strerror or str(e)
+            return None
+    return None
+
+
+def _check_ports_free(ports: Sequence[int], *, where: str, fix: str) -> None:
+    for port in ports:
+        reason = port_in_use(port)
+        if reason is not None:
+            raise ValueError(
+                f"{where} ports {ports[0]}..{ports[-1]} must be free on this machine, but "
+                f"port {port} is in use ({reason}). {fix}"
+            )
+
+
+def _worker_specs(
+    command: tuple[str, ...],
+    environ: Mapping[str, str],
+    *,
+    addresses: Sequence[str],
+    nproc_per_node: int,
+    node_rank: int,
+    restart_count: int,
+) -> tuple[WorkerSpec, ...]:
+    world_size = len(addresses)
+    specs = []
+    for local_rank in range(nproc_per_node):
+        rank = node_rank * nproc_per_node + local_rank
+        # tfdp.cluster validates the cluster (addresses, index) once more.
+        tf_config = cluster_lib.ClusterConfig(
+            cluster={"worker": list(addresses)}, task_type="worker", task_index=rank)
+        env = dict(environ)
+        env.update(
+            TF_CONFIG=tf_config.to_json(),
+            TFDP_RANK=str(rank),
+            TFDP_LOCAL_RANK=str(local_rank),
+            TFDP_WORLD_SIZE=str(world_size),
+            TFDP_LOCAL_WORLD_SIZE=str(nproc_per_node),
+            TFDP_NODE_RANK=str(node_rank),
+            TFDP_RESTART_COUNT=str(restart_count),
+            PYTHONUNBUFFERED="1",
+        )
+        specs.append(WorkerSpec(rank=rank, command=command, env=env))
+    return tuple(specs)
+
+
+def plan_local(
+    command: Sequence[str],
+    *,
+    nproc_per_node: int,
+    port: int | None = None,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    environ: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+) -> LocalLaunchPlan:
+    """Validates a one-host launch and builds every worker's command and environment.
+
+    Nothing is started: every argument error surfaces here, in a second.
+
+    Args:
+        command: program and arguments every worker runs (no shell).
+        nproc_per_node: number of workers to start. Must be >= 1.
+        port: first port; worker `i` listens on `port + i`. All of them must be
+            free on this machine and <= 65535. If `None`, picks free ports
+            (fresh ones on each restart). Defaults to `None`.
+        grace_period: seconds between the polite signal (SIGTERM, or the
+            forwarded SIGINT/SIGTERM) and SIGKILL. Must be finite and >= 0.
+            Defaults to `DEFAULT_GRACE_PERIOD` (5 s).
+        environ: base environment of every worker. Defaults to `os.environ`.
+        max_restarts: times the whole group is restarted after a worker
+            fails (see `launch.restarts`). Must be >= 0. Defaults to 0.
+
+    Returns:
+        A `LocalLaunchPlan`.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: if `command` is empty or its program cannot be found,
+            `nproc_per_node` < 1, `port` is out of range or in use,
+            `grace_period` is negative or not finite, or `max_restarts` < 0.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    command = _check_command(command, environ.get("PATH"))
+    _check_nproc(nproc_per_node)
+    _check_grace_period(grace_period)
+    _check_max_restarts(max_restarts)
     if port is None:
-        ports = tuple(cluster_lib.free_ports(nproc_per_node, host=LOOPBACK))
+        ports = tuple(cluster_lib.free_ports(nproc_per_node,
+                                             host=nodes_lib.TENSORFLOW_LISTEN_ADDRESS))
     else:
         if isinstance(port, bool) or not isinstance(port, int):
             raise TypeError(f"`port` must be an int or None. Received: port={_echo(port)}")
@@ -173,28 +297,159 @@ def plan_local(
                 f"Received: port={port}"
             )
         ports = tuple(range(port, port + nproc_per_node))
-        _check_ports_free(ports, LOOPBACK)
-
-    workers = []
-    for rank in range(nproc_per_node):
-        tf_config = cluster_lib.local_tf_config(nproc_per_node, rank, ports=ports, host=LOOPBACK)
-        env = dict(environ)
-        env.update(
-            TF_CONFIG=json.dumps(tf_config),
-            TFDP_RANK=str(rank),
-            TFDP_LOCAL_RANK=str(rank),
-            TFDP_WORLD_SIZE=str(nproc_per_node),
-            TFDP_LOCAL_WORLD_SIZE=str(nproc_per_node),
-            PYTHONUNBUFFERED="1",
-        )
-        workers.append(WorkerSpec(rank=rank, command=command, env=env))
+        _check_ports_free(ports, where="`port`", fix=(
+            f"Choose another `port`, or omit it to pick free ports. Received: port={port}"))
+    addresses = tuple(f"{LOOPBACK}:{p}" for p in ports)
     return LocalLaunchPlan(
         command=command,
         nproc_per_node=nproc_per_node,
         ports=ports,
         grace_period=float(grace_period),
-        workers=tuple(workers),
+        workers=_worker_specs(command, environ, addresses=addresses,
+                              nproc_per_node=nproc_per_node, node_rank=0, restart_count=0),
+        max_restarts=max_restarts,
+        fixed_ports=port is not None,
+        addresses=addresses,
     )
+
+
+def plan_nodes(
+    command: Sequence[str],
+    *,
+    nnodes: int,
+    node_rank: int,
+    hosts: str | Sequence[str],
+    nproc_per_node: int,
+    bind_all: bool = False,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    environ: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+) -> LocalLaunchPlan:
+    """Validates this node's part of a multi-node launch and builds its workers.
+
+    Every node runs the same launch with its own `node_rank`; the layout
+    (addresses, ranks) is `launch.nodes`'. Nothing is started.
+
+    Args:
+        command: program and arguments every worker runs (no shell).
+        nnodes: number of nodes. Must be >= 1 and equal to the entries of
+            `hosts`.
+        node_rank: this node's rank, in [0, nnodes).
+        hosts: `"h0:p0,h1:p1,..."` (or a list of `"host:port"`): node `r`'s
+            address and first port; its worker `i` listens on port `p_r + i`.
+        nproc_per_node: workers per node. Must be >= 1.
+        bind_all: accept addresses other machines can reach (TensorFlow's
+            gRPC endpoints are unauthenticated; see `launch.nodes`). Without
+            it, only loopback addresses are accepted. Defaults to False.
+        grace_period: see `plan_local`.
+        environ: base environment of every worker. Defaults to `os.environ`.
+        max_restarts: see `plan_local`; a restart reuses the same ports.
+
+    Returns:
+        A `LocalLaunchPlan` for this node's workers.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: for the `plan_local` errors, and if `hosts` is malformed,
+            has not `nnodes` entries, gives two workers the same address, has
+            an unresolvable host or (without `bind_all`) a non-loopback one;
+            `node_rank` is out of range or names an entry whose address is
+            not this machine's; or this node's ports are in use.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    command = _check_command(command, environ.get("PATH"))
+    _check_nproc(nproc_per_node)
+    _check_grace_period(grace_period)
+    _check_max_restarts(max_restarts)
+    if not isinstance(bind_all, bool):
+        raise TypeError(f"`bind_all` must be a bool. Received: bind_all={_echo(bind_all)}")
+    layout = nodes_lib.plan_layout(hosts, nnodes=nnodes, node_rank=node_rank,
+                                   nproc_per_node=nproc_per_node)
+    exposed = nodes_lib.check_hosts(layout, bind_all=bind_all)
+    _check_ports_free(layout.ports, where=f"`hosts` entry {node_rank} ({layout.this_node}):",
+                      fix=f"Give node {node_rank} another first port in `hosts`. "
+                          f"Received: hosts={_echo(','.join(map(str, layout.hosts)))}")
+    return LocalLaunchPlan(
+        command=command,
+        nproc_per_node=nproc_per_node,
+        ports=layout.ports,
+        grace_period=float(grace_period),
+        workers=_worker_specs(command, environ, addresses=layout.addresses,
+                              nproc_per_node=nproc_per_node, node_rank=node_rank,
+                              restart_count=0),
+        max_restarts=max_restarts,
+        fixed_ports=True,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        host=layout.this_node.host,
+        addresses=layout.addresses,
+        bind_all=bind_all,
+        exposed=tuple(exposed),
+    )
+
+
+def _wait_for_free_ports(ports: Sequence[int], *, timeout: float,
+                         cancelled: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = [(p, reason) for p in ports if (reason := port_in_use(p)) is not None]
+        if not busy:
+            return
+        if time.monotonic() >= deadline or cancelled():
+            port, reason = busy[0]
+            raise OSError(
+                f"port {port} is still in use ({reason}) {timeout:g} s after the workers "
+                "were stopped; another process holds it. Free it, or restart without a "
+                "fixed `port`."
+            )
+        time.sleep(0.1)
+
+
+def restart_plan(
+    plan: LocalLaunchPlan,
+    *,
+    restart_count: int,
+    cancelled: Callable[[], bool] = lambda: False,
+    port_timeout: float = PORT_WAIT_SECONDS,
+) -> LocalLaunchPlan:
+    """The plan of restart number `restart_count`: same workers, fresh state.
+
+    Every worker gets a new environment from its old one, with
+    `TFDP_RESTART_COUNT=restart_count` and, for a one-host launch without a
+    fixed port, fresh free ports in TF_CONFIG. Fixed ports (`--port`,
+    `--hosts`) are reused once they are free again.
+
+    Args:
+        plan: the plan of the attempt that failed.
+        restart_count: 1 for the first restart, 2 for the second, ...
+        cancelled: polled while waiting for ports; True stops the wait.
+            Defaults to never.
+        port_timeout: seconds to wait for fixed ports. Defaults to
+            `PORT_WAIT_SECONDS`.
+
+    Returns:
+        A new `LocalLaunchPlan`.
+
+    Raises:
+        OSError: if fixed ports are still in use after `port_timeout`, or no
+            free port can be found.
+    """
+    if plan.fixed_ports:
+        _wait_for_free_ports(plan.ports, timeout=port_timeout, cancelled=cancelled)
+        ports = plan.ports
+        addresses = plan.addresses or tuple(f"{plan.host}:{p}" for p in ports)
+    else:
+        ports = tuple(cluster_lib.free_ports(plan.nproc_per_node,
+                                             host=nodes_lib.TENSORFLOW_LISTEN_ADDRESS))
+        addresses = tuple(f"{plan.host}:{p}" for p in ports)
+    workers = []
+    for spec in plan.workers:
+        tf_config = cluster_lib.ClusterConfig(
+            cluster={"worker": list(addresses)}, task_type="worker", task_index=spec.rank)
+        env = dict(spec.env, TF_CONFIG=tf_config.to_json(),
+                   TFDP_RESTART_COUNT=str(restart_count))
+        workers.append(dataclasses.replace(spec, env=env))
+    return dataclasses.replace(plan, ports=ports, addresses=addresses, workers=tuple(workers))
 
 
 def run_plan(
@@ -203,43 +458,44 @@ def run_plan(
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
 ) -> int:
-    """Runs a planned local launch to completion and returns its exit code.
+    """Runs a planned launch to completion (restarts included); returns its exit code.
 
     While it runs (when called from the main thread), SIGINT and SIGTERM are
-    forwarded to the workers instead of ending this process.
+    forwarded to the workers instead of ending this process, and never lead
+    to a restart.
 
     Args:
-        plan: from `plan_local`.
+        plan: from `plan_local` or `plan_nodes`.
         stdout: binary stream for the workers' prefixed stdout. Defaults to
             `sys.stdout.buffer`.
         stderr: binary stream for the workers' prefixed stderr and `[launch] `
             messages. Defaults to `sys.stderr.buffer`.
 
     Returns:
-        0 if every worker exited 0; else the exit code of the first worker that
-        failed (128 + signum if a signal killed it); 128 + signum if this
-        process received SIGINT (130) or SIGTERM (143); 126/127 if a worker
-        could not be started.
+        0 if every worker exited 0 (in some attempt); else the exit code of
+        the worker that failed last (128 + signum if a signal killed it);
+        128 + signum if this process received SIGINT (130) or SIGTERM (143);
+        126/127 if a worker could not be started.
     """
-    with SignalCatcher() as signals, WorkerGroup(plan.workers, stdout=stdout,
-                                                 stderr=stderr) as group:
-        group.log(
-            f"starting {plan.nproc_per_node} worker(s) on {LOOPBACK} ports "
-            f"{','.join(map(str, plan.ports))}: {' '.join(plan.command)}"
-        )
-        try:
-            group.start()
-        except OSError as e:
-            group.log(f"could not start the workers: {e}")
-            return 127 if isinstance(e, FileNotFoundError) else 126
-        result = group.supervise(grace_period=plan.grace_period, signals=signals)
-        if result.exit_code != 0:
-            if result.signal is not None:
-                reason = "stopped the workers after a signal"
-            else:
-                reason = f"worker {result.failure.rank} failed"
-            group.log(f"exiting with code {result.exit_code} ({reason})")
-        return result.exit_code
+    warnings = []
+    if plan.bind_all:
+        reached = (f"workers are reached at {', '.join(plan.exposed)}" if plan.exposed
+                   else "every --hosts address is loopback")
+        warnings.append(
+            f"warning: --bind_all: {reached}. TensorFlow's gRPC endpoints have no "
+            "authentication or encryption and listen on all interfaces (ports "
+            f"{','.join(map(str, plan.ports))} here): anyone who can reach them can run "
+            "TensorFlow operations in the workers. Keep the job on a private, firewalled "
+            "network.")
+    return restarts.run_with_restarts(
+        plan,
+        describe=lambda p, attempt: p.describe(attempt),
+        replan=lambda p, attempt, cancelled: restart_plan(
+            p, restart_count=attempt, cancelled=cancelled),
+        warnings=warnings,
+        stdout=stdout,
+        stderr=stderr,
+    )
 
 
 def run_local(
@@ -251,6 +507,7 @@ def run_local(
     environ: Mapping[str, str] | None = None,
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Runs `command` as `nproc_per_node` local workers; returns the exit code.
 
@@ -263,5 +520,5 @@ def run_local(
     0
     """
     plan = plan_local(command, nproc_per_node=nproc_per_node, port=port,
-                      grace_period=grace_period, environ=environ)
+                      grace_period=grace_period, environ=environ, max_restarts=max_restarts)
     return run_plan(plan, stdout=stdout, stderr=stderr)

@@ -4,11 +4,14 @@ This module owns how worker output reaches the user: every line a worker
 writes to stdout (stderr) is written to the launcher's stdout (stderr) with a
 prefix such as `[1] `, whole lines at a time, so lines of different workers
 never interleave mid-line. It works on bytes, so output that is not valid UTF-8
-passes through unchanged. It does not start or stop processes.
+passes through unchanged. It can also keep the last lines of a worker (its
+"log tail", shown again when the launch gives up on a failure). It does not
+start or stop processes.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import BinaryIO
 
@@ -52,15 +55,23 @@ class PrefixPump(threading.Thread):
         pipe: the read end of a worker's stdout or stderr pipe (binary).
         sink: where prefixed lines go.
         prefix: bytes put in front of every line, e.g. `b"[0] "`.
+        tail: if given, every line (without prefix) is also appended to it;
+            pass a `collections.deque(maxlen=n)` to keep the last `n` lines.
+            Several pumps may share one (appends are thread-safe). Defaults
+            to None.
     """
 
-    def __init__(self, pipe: BinaryIO, sink: LineSink, prefix: bytes):
+    def __init__(self, pipe: BinaryIO, sink: LineSink, prefix: bytes,
+                 tail: collections.deque | None = None):
         super().__init__(name=f"launch-pump-{prefix.decode(errors='replace').strip()}",
                          daemon=True)
         self._pipe = pipe
         self._sink = sink
         self._prefix = prefix
+        self._tail = tail
 
     def run(self) -> None:
         for line in iter(self._pipe.readline, b""):
             self._sink.write_line(self._prefix, line)
+            if self._tail is not None:
+                self._tail.append(line)

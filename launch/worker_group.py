@@ -8,9 +8,11 @@ process group) and `wait()` for every one of them, always. It does not decide
 what the workers run or how they find each other (TF_CONFIG, ranks: see
 `launch.local`) and does not parse flags (`launch.__main__`).
 
-A restart policy (`--max_restarts`) or several nodes can be built on top: a
-`WorkerGroup` is one attempt of one node's workers; restarting means closing
-it and starting a new one.
+A `WorkerGroup` is one attempt of one node's workers: restarting the group
+(`--max_restarts`, `launch.restarts`) means closing it and starting a new one
+from fresh specs, so nothing of a dead worker's process state carries over.
+Each worker's last lines of output are kept (`output_tail`) for the failure
+report.
 
 Exit codes. `WorkerExit.exit_code` is the worker's exit status, or
 `128 + signum` if a signal killed it (the shell's convention: SIGKILL -> 137,
@@ -22,6 +24,7 @@ group, whatever the workers' own statuses.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import signal
 import subprocess
@@ -37,6 +40,8 @@ from launch.signals import SignalCatcher
 POLL_INTERVAL = 0.05
 #: How long to wait for a pump thread to drain a pipe after its worker exited.
 _PUMP_JOIN_TIMEOUT = 2.0
+#: Lines of each worker's output kept for `WorkerGroup.output_tail`.
+DEFAULT_TAIL_LINES = 20
 
 
 def exit_code_of(returncode: int) -> int:
@@ -117,11 +122,12 @@ class GroupResult:
 class _Worker:
     """A started worker: its spec, process and output pumps."""
 
-    def __init__(self, spec: WorkerSpec, proc: subprocess.Popen):
+    def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, tail_lines: int):
         self.spec = spec
         self.proc = proc
         self.pgid = proc.pid  # start_new_session: the worker leads its group
         self.pumps: list[PrefixPump] = []
+        self.tail: collections.deque = collections.deque(maxlen=tail_lines)
         self.exit: WorkerExit | None = None  # set once the exit is recorded
 
 
@@ -138,6 +144,9 @@ class WorkerGroup:
             `sys.stdout.buffer`.
         stderr: binary stream receiving prefixed worker stderr and the
             launcher's own `[launch] ` messages. Defaults to `sys.stderr.buffer`.
+        tail_lines: how many of each worker's last output lines (stdout and
+            stderr together) `output_tail` keeps. Defaults to
+            `DEFAULT_TAIL_LINES` (20).
 
     Raises:
         ValueError: if `specs` is empty or two specs share a rank.
@@ -157,6 +166,7 @@ class WorkerGroup:
         *,
         stdout: BinaryIO | None = None,
         stderr: BinaryIO | None = None,
+        tail_lines: int = DEFAULT_TAIL_LINES,
     ):
         specs = tuple(specs)
         if not specs:
@@ -165,6 +175,7 @@ class WorkerGroup:
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"`specs` must have distinct ranks. Received ranks: {ranks}")
         self._specs = specs
+        self._tail_lines = tail_lines
         self._stdout = LineSink(stdout if stdout is not None else sys.stdout.buffer)
         self._stderr = LineSink(stderr if stderr is not None else sys.stderr.buffer)
         self._workers: list[_Worker] = []
@@ -197,13 +208,13 @@ class WorkerGroup:
                 start_new_session=True,
                 preexec_fn=_proc.parent_death_signal_hook(),
             )
-            self._workers.append(_Worker(spec, proc))
+            self._workers.append(_Worker(spec, proc, self._tail_lines))
         # Pumps start after every fork: `preexec_fn` is only safe while this
         # process has no other threads.
         for worker in self._workers:
             for pipe, sink in ((worker.proc.stdout, self._stdout),
                                (worker.proc.stderr, self._stderr)):
-                pump = PrefixPump(pipe, sink, worker.spec.prefix)
+                pump = PrefixPump(pipe, sink, worker.spec.prefix, tail=worker.tail)
                 pump.start()
                 worker.pumps.append(pump)
 
@@ -220,6 +231,19 @@ class WorkerGroup:
     def exits(self) -> tuple[WorkerExit, ...]:
         """Workers that exited so far, in the order they were seen."""
         return tuple(self._exits)
+
+    def output_tail(self, rank: int) -> list[bytes]:
+        """The last lines worker `rank` wrote (stdout and stderr, arrival order).
+
+        Complete only once the worker's pipes are drained: after `close()`.
+
+        Raises:
+            KeyError: if no worker of this group has rank `rank`.
+        """
+        for worker in self._workers:
+            if worker.spec.rank == rank:
+                return list(worker.tail)
+        raise KeyError(f"no started worker has rank {rank}; ranks: {sorted(self.pids)}")
 
     def running(self) -> list[int]:
         """Ranks of the workers that have not exited (as of the last `poll`)."""

@@ -1,0 +1,161 @@
+"""Restart a failed worker group, up to `--max_restarts` times.
+
+This module owns the attempt loop of one node's launcher: run the workers as a
+`WorkerGroup`; when one fails and restarts are left, the group is stopped
+(SIGTERM, the grace period, SIGKILL, `wait()` for every process), the next
+attempt is planned from scratch and a new group starts. When no restart is
+left, the failing worker's last lines of output are repeated on stderr and
+the launcher exits with its exit code. A signal to the launcher (SIGINT,
+SIGTERM) stops the workers and never leads to a restart.
+
+What a restart changes is not decided here: the `replan` callable builds the
+next attempt (`launch.local.restart_plan`: fresh environments with
+`TFDP_RESTART_COUNT`, fresh free ports, or the same fixed ports once they are
+free). Nothing of the dead workers' processes carries over. The training
+program resumes on its own: `tfdp.Trainer` restores the latest checkpoint in
+its `model_dir` when it starts.
+
+Several nodes: each node's launcher restarts only its own workers, and the
+job can only continue once every node has restarted (they meet again at the
+same `--hosts` addresses). The workers on the other nodes notice the failure
+only when their next collective fails; `tfdp.make_strategy(timeout_seconds=...)`
+bounds how long that takes. Give every node the same `--max_restarts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+from typing import BinaryIO, Callable, Sequence, TypeVar
+
+from launch.output import LineSink
+from launch.signals import SignalCatcher
+from launch.worker_group import (
+    DEFAULT_TAIL_LINES,
+    GroupResult,
+    WorkerGroup,
+    describe_returncode,
+)
+
+Plan = TypeVar("Plan")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    result: GroupResult | None  # None: the workers could not be started
+    start_error: int | None
+    tail: list[bytes]
+
+
+def _run_attempt(plan, attempt: int, *, describe, signals: SignalCatcher, stdout, stderr,
+                 tail_lines: int) -> _Attempt:
+    with WorkerGroup(plan.workers, stdout=stdout, stderr=stderr,
+                     tail_lines=tail_lines) as group:
+        group.log(describe(plan, attempt))
+        try:
+            group.start()
+        except OSError as e:
+            group.log(f"could not start the workers: {e}")
+            return _Attempt(None, 127 if isinstance(e, FileNotFoundError) else 126, [])
+        result = group.supervise(grace_period=plan.grace_period, signals=signals)
+    # After close(): the pumps drained every pipe, so the tail is complete.
+    tail = group.output_tail(result.failure.rank) if result.failure is not None else []
+    return _Attempt(result, None, tail)
+
+
+def _log_tail(log: Callable[[str], None], sink: LineSink, rank: int,
+              tail: Sequence[bytes]) -> None:
+    if not tail:
+        log(f"worker {rank} wrote no output")
+        return
+    log(f"last {len(tail)} line(s) of worker {rank}'s output (stdout and stderr):")
+    for line in tail:
+        sink.write_line(b"[launch] | ", line)
+
+
+def run_with_restarts(
+    plan: Plan,
+    *,
+    describe: Callable[[Plan, int], str],
+    replan: Callable[[Plan, int, Callable[[], bool]], Plan],
+    warnings: Sequence[str] = (),
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+    tail_lines: int = DEFAULT_TAIL_LINES,
+) -> int:
+    """Runs `plan`'s workers, restarting the whole group after a failure.
+
+    Args:
+        plan: has `workers` (the `WorkerSpec`s), `grace_period` (seconds) and
+            `max_restarts` (>= 0), e.g. a `launch.local.LocalLaunchPlan`.
+        describe: `(plan, attempt) -> str`, the start-up line of an attempt
+            (attempt 0 is the first run).
+        replan: `(plan, restart_count, cancelled) -> plan` for the next
+            attempt; `cancelled()` turns True when the launcher got a signal.
+            May raise `OSError` or `ValueError`, which ends the launch.
+        warnings: `[launch] ` lines logged once, before the first attempt.
+        stdout: stream for the workers' prefixed stdout. Defaults to
+            `sys.stdout.buffer`.
+        stderr: stream for their stderr and the `[launch] ` messages.
+            Defaults to `sys.stderr.buffer`.
+        tail_lines: lines of the failing worker's output repeated at the end.
+            Defaults to `DEFAULT_TAIL_LINES` (20).
+
+    Returns:
+        0 when an attempt ends with every worker exiting 0; the failing
+        worker's exit code (128 + signum if a signal killed it) once no
+        restart is left or the next attempt cannot be planned; 128 + signum
+        when the launcher received SIGINT (130) or SIGTERM (143); 126/127 if
+        a worker could not be started (not retried: that is not transient).
+    """
+    stream = stderr if stderr is not None else sys.stderr.buffer
+    sink = LineSink(stream)
+
+    def log(message: str) -> None:
+        sink.write_line(b"[launch] ", message.encode())
+
+    def stop_for_signal(context: str) -> int:
+        received = signals.first
+        log(f"{context}; not restarting: received {signal.Signals(received).name}")
+        log(f"exiting with code {128 + received} (stopped the workers after a signal)")
+        return 128 + received
+
+    total = plan.max_restarts + 1
+    with SignalCatcher() as signals:
+        for message in warnings:
+            log(message)
+        attempt = 0
+        while True:
+            outcome = _run_attempt(plan, attempt, describe=describe, signals=signals,
+                                   stdout=stdout, stderr=stream, tail_lines=tail_lines)
+            if outcome.result is None:
+                return outcome.start_error
+            result = outcome.result
+            if result.exit_code == 0:
+                return 0
+            if result.signal is not None:
+                log(f"exiting with code {result.exit_code} (stopped the workers after a signal)")
+                return result.exit_code
+            failure = result.failure
+            what = f"worker {failure.rank} {describe_returncode(failure.returncode)}"
+            if attempt + 1 < total:
+                if signals.first is not None:
+                    return stop_for_signal(what)
+                log(f"{what}; restarting the group (attempt {attempt + 2} of {total})")
+                try:
+                    plan = replan(plan, attempt + 1, lambda: signals.count > 0)
+                except (OSError, ValueError) as e:
+                    if signals.first is not None:
+                        return stop_for_signal(what)
+                    log(f"cannot restart the group: {e}")
+                else:
+                    if signals.first is not None:
+                        return stop_for_signal(what)
+                    attempt += 1
+                    continue
+            elif total > 1:
+                log(f"{what} in the last attempt ({total} of {total}); not restarting")
+            _log_tail(log, sink, failure.rank, outcome.tail)
+            log(f"exiting with code {failure.exit_code} (worker {failure.rank} failed)")
+            return failure.exit_code
