@@ -24,6 +24,7 @@ from pipelines.preprocess import random_crop_flip  # noqa: E402
 from pipelines.source import INFINITE  # noqa: E402
 from pipelines.source import Source  # noqa: E402
 from pipelines.source import SourceInfo  # noqa: E402
+from pipelines.sources import check_source_name  # noqa: E402
 from pipelines.sources import describe_source  # noqa: E402
 from pipelines.sources import get_source  # noqa: E402
 from pipelines.sources import known_sources  # noqa: E402
@@ -34,6 +35,7 @@ from pipelines.tfds_source import prepare_tfds  # noqa: E402
 
 __all__ = [
     "check_model_compatible",
+    "check_source_name",
     "compose",
     "decode_image",
     "default_data_dir",

@@ -74,13 +74,24 @@ def _tfds_names() -> list[str]:
     return tfds.list_builders(with_community_datasets=False)
 
 
-def _from_name(name: str, data_dir: str | None) -> source_lib.Source:
+def check_source_name(name: str) -> None:
+    """Checks that `name` is a registered source or a TFDS dataset name.
+
+    Reads no data and starts no TensorFlow runtime, so a program can validate
+    its arguments before it builds a distribution strategy (which must come
+    first: `MultiWorkerMirroredStrategy` has to configure collective ops
+    before TensorFlow initialises).
+
+    Raises:
+        ValueError: the name is unknown; lists the registered names and the
+            closest matches.
+    """
     if name in _REGISTRY:
-        return _REGISTRY[name](data_dir)
+        return
     base = name.split(":")[0].split("/")[0]
     tfds_names = _tfds_names()
     if base in tfds_names:
-        return tfds_source.TFDSSource(name=name, data_dir=data_dir)
+        return
     close = difflib.get_close_matches(base, list(_REGISTRY) + tfds_names, n=3)
     raise ValueError(
         f"Unknown source name {name!r}. Known sources: "
@@ -89,6 +100,13 @@ def _from_name(name: str, data_dir: str | None) -> source_lib.Source:
         f"tfds.list_builders())."
         + (f" Did you mean: {', '.join(close)}?" if close else "")
     )
+
+
+def _from_name(name: str, data_dir: str | None) -> source_lib.Source:
+    check_source_name(name)
+    if name in _REGISTRY:
+        return _REGISTRY[name](data_dir)
+    return tfds_source.TFDSSource(name=name, data_dir=data_dir)
 
 
 def get_source(

@@ -13,14 +13,21 @@ status 2 and one line naming the flag, before any training or collective.
 
 from __future__ import annotations
 
+import logging as py_logging
+import os
 import sys
 from typing import Sequence
 
-from absl import app
-from absl import flags
+# TensorFlow's C++ start-up chatter (INFO) before it is imported; warnings stay.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-from tfdp import run_config
-from tfdp import strategy as strategy_lib
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+
+from tfdp import cluster as cluster_lib  # noqa: E402
+from tfdp import run_config  # noqa: E402
+from tfdp import strategy as strategy_lib  # noqa: E402
 
 _D = run_config.RunConfig()  # defaults, one source of truth
 
@@ -115,6 +122,12 @@ def _build_dataset(config: run_config.RunConfig):
 
 
 def _check_names(config: run_config.RunConfig) -> None:
+    """Checks --model and --dataset without starting TensorFlow's runtime.
+
+    The strategy must be built first (`MultiWorkerMirroredStrategy` configures
+    collective ops at start-up), so nothing here may create a tensor or read
+    data: the digits dataset is prepared later, by the first dataset built.
+    """
     import models
     import pipelines
 
@@ -124,9 +137,50 @@ def _check_names(config: run_config.RunConfig) -> None:
             f"Received: --model={config.model!r}"
         )
     try:
-        pipelines.describe_source(config.dataset, split="train", data_dir=config.data_dir)
+        pipelines.check_source_name(config.dataset)
     except ValueError as error:
         raise run_config.ConfigError(f"--dataset: {error}") from None
+
+
+#: Packages whose INFO logs the chief shows (progress, resume, data accounting).
+_OWN_PACKAGES = ("tfdp", "pipelines", "models", "launch")
+
+
+class _OwnInfoOnly(py_logging.Filter):
+    """Passes warnings from anywhere, and INFO only from tfdp's own packages."""
+
+    def __init__(self):
+        super().__init__()
+        roots = []
+        for name in _OWN_PACKAGES:
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None):
+                roots.append(os.path.dirname(module.__file__) + os.sep)
+        self._roots = tuple(roots)
+
+    def filter(self, record: py_logging.LogRecord) -> bool:
+        return record.levelno >= py_logging.WARNING or record.pathname.startswith(self._roots)
+
+
+def _process_is_chief() -> bool:
+    """Whether this process is the chief, from TF_CONFIG or Slurm (no TensorFlow)."""
+    config = cluster_lib.parse_tf_config()
+    if config is not None:
+        return config.is_chief
+    return os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def _configure_logging(is_chief: bool) -> None:
+    """The chief logs tfdp's progress; other workers log only what goes wrong.
+
+    TensorFlow's and TFDS' INFO lines (collective launches, dataset reads) are
+    dropped everywhere: they bury the progress lines on a multi-worker run.
+    """
+    import tensorflow as tf
+
+    tf.get_logger().setLevel(py_logging.WARNING)
+    logging.get_absl_handler().addFilter(_OwnInfoOnly())
+    logging.set_verbosity(logging.INFO if is_chief else logging.WARNING)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -139,6 +193,7 @@ def main(argv: Sequence[str]) -> None:
     try:
         config = config_from_flags()
         _check_names(config)
+        _configure_logging(_process_is_chief())
         experiment.train_and_evaluate(
             config, build_dataset=_build_dataset(config), build_model=models.get
         )

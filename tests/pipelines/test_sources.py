@@ -1,5 +1,9 @@
 """Tests for `pipelines.sources` and `pipelines.tfds_source`: names, TFDS, errors."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -23,6 +27,24 @@ def test_unknown_name_lists_the_known_sources_and_close_matches():
     assert "digits, synthetic_images, synthetic_tokens" in message
     assert "TFDS dataset names (e.g. mnist, cifar10, imagenet2012" in message
     assert "Did you mean: mnist" in message
+
+
+def test_checking_a_name_reads_no_data_and_starts_no_runtime(tmp_path):
+    # tfdp-train checks --dataset before it builds a MultiWorkerMirroredStrategy,
+    # which must configure collective ops before TensorFlow initialises.
+    code = (
+        "import pipelines\n"
+        "from tensorflow.python.eager import context\n"
+        "for name in ('digits', 'mnist', 'cifar10:3.0.2', 'synthetic_images'):\n"
+        "    pipelines.check_source_name(name)\n"
+        "print(context.context()._context_handle is None)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "TFDP_DATA_DIR": str(tmp_path)})
+    assert result.stdout.strip().splitlines()[-1] == "True", result.stderr
+    assert not list(tmp_path.iterdir())  # digits was not prepared
+    with pytest.raises(ValueError, match="Unknown source name 'mnistt'.*Did you mean: mnist"):
+        pipelines.check_source_name("mnistt")
 
 
 def test_register_source_refuses_to_replace_silently():
