@@ -1,5 +1,6 @@
 """Tests for tfdp.strategy: the strategy decision, building, and strategy_info."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,60 @@ def test_make_strategy_on_faked_gpus_passes_the_chosen_cross_device_ops(
 
 def _not_chief():
     return strategy_lib.StrategyInfo("X", 1, 0, False, 4, (), "nccl")
+
+
+def _two_worker_tf_config(index=0):
+    return json.dumps({"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def test_auto_reads_a_multi_worker_tf_config_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _two_worker_tf_config(1))
+    plan = strategy_lib.plan_from_environment()
+    assert (plan.kind, plan.num_replicas) == ("multi_worker", 2)
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:20001"]}, "task": {"type": "worker", "index": 0}}))
+    assert strategy_lib.plan_from_environment().kind == "default"
+
+
+def test_make_strategy_refuses_a_malformed_tf_config_naming_the_field(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:20001"]}, "task": {"type": "worker", "index": 3}}))
+    with pytest.raises(ValueError, match="index"):
+        tfdp.make_strategy()
+
+
+@pytest.mark.parametrize(
+    "communication, gpus, expected",
+    [
+        ("auto", 0, "AUTO"),
+        ("ring", 2, "RING"),
+        ("nccl", 2, "NCCL"),
+        ("nccl", 0, "RING"),  # no GPU on this worker: falls back, with a warning
+    ],
+)
+def test_make_strategy_passes_communication_options_to_multi_worker(
+    monkeypatch, communication, gpus, expected
+):
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.setenv("TF_CONFIG", _two_worker_tf_config())
+    built = {}
+
+    class RecordingMultiWorkerMirroredStrategy:
+        def __init__(self, cluster_resolver=None, communication_options=None):
+            built.update(resolver=cluster_resolver, options=communication_options)
+
+    monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy",
+                        RecordingMultiWorkerMirroredStrategy)
+    monkeypatch.setattr(strategy_lib, "strategy_info", lambda s: _not_chief())
+    tfdp.make_strategy(communication=communication, bytes_per_pack=1 << 20,
+                       timeout_seconds=30.0)
+    options = built["options"]
+    assert options.implementation == getattr(
+        tf.distribute.experimental.CommunicationImplementation, expected)
+    assert (options.bytes_per_pack, options.timeout_seconds) == (1 << 20, 30.0)
+    assert built["resolver"].cluster_spec().as_dict() == {
+        "worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
 
 
 def test_make_strategy_rejects_cpu_replicas_on_a_gpu_host(monkeypatch):
