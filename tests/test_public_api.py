@@ -7,6 +7,7 @@ import tfdp
 
 EXPECTED_PUBLIC_NAMES = {
     "BatchConfig",
+    "callbacks",
     "compile",
     "configure_cpu_devices",
     "make_strategy",

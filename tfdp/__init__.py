@@ -24,7 +24,7 @@ _EXPORTS = {
     "Trainer": "tfdp.trainer",
     "WarmupSchedule": "tfdp.lr_schedules",
 }
-_SUBPACKAGES = ("optimizers",)
+_SUBPACKAGES = ("callbacks", "optimizers")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
 

@@ -1,0 +1,209 @@
+"""Lets Keras 3 `model.fit` start an epoch part-way through, at an exact batch.
+
+This module owns every touch of Keras private state that
+`tfdp.callbacks.BackupAndRestore` needs to resume `fit` exactly (Keras 3.15,
+TensorFlow backend). It does not decide what to save or when; the callback
+does.
+
+Upstream: Keras 3's `keras.callbacks.BackupAndRestore` records the batch it
+saved at but restarts that epoch at batch 0 (its input position is not
+restored: keras-team/keras-hub#204; keras-team/keras#22490, closed unmerged,
+says the same: "the data pipeline restarts from the beginning ... the model
+sees early data twice"), and a distributed iterator cannot be checkpointed
+(tensorflow/tensorflow#56372). Resuming at (epoch e, batch b) needs three
+things Keras has no public hook for:
+
+1. `model._initial_epoch`. `fit` starts at `self._initial_epoch or
+   initial_epoch`, read right after `callbacks.on_train_begin()`; Keras' own
+   callback sets it there too, and nothing resets it, so a later `fit` of the
+   same model would silently skip epochs: `clear_initial_epoch` undoes it.
+2. A custom `DataAdapter` as `x`. `data_adapters.get_data_adapter` returns an
+   instance of `DataAdapter` unchanged ("Allow passing a custom data
+   adapter"), so `EpochInput` (a `DataAdapter`) can be `fit`'s input and learn
+   each epoch's dataset from a callable.
+3. `EpochIterator._enumerate_iterator`, the generator `fit` loops over each
+   epoch, always numbers steps from 0 and iterates one dataset object.
+   `install()` wraps it once, for the whole process: when the epoch
+   iterator's data adapter is an `EpochInput`, the `EpochInput` runs the
+   epoch instead (a fresh distributed iterator over `dataset_fn(epoch)` with
+   the first `b` batches skipped, steps numbered `b, b + k, ...` up to the
+   epoch's end, `k` = `steps_per_execution`); every other input runs Keras'
+   own generator unchanged.
+
+`tests/callbacks/test_keras_fit_resume.py` checks each of these against the
+installed Keras (and that Keras' own callback still re-applies batches, the
+reason this module exists); `is_supported()` gates `install()` on the Keras
+versions it was written against.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Callable
+
+import keras
+import tensorflow as tf
+from keras.src.trainers import epoch_iterator as _epoch_iterator
+from keras.src.trainers.data_adapters import data_adapter as _data_adapter
+
+# pylint: disable=protected-access
+
+#: Keras (major, minor) versions this module was written against, inclusive.
+KNOWN_KERAS_RANGE = ((3, 0), (3, 15))
+
+_PATCH_MARKER = "__tfdp_keras_fit_resume_patch__"
+_lock = threading.Lock()
+
+
+def is_supported(keras_version: str | None = None) -> bool:
+    """Whether `keras_version` (default: the installed one) is in `KNOWN_KERAS_RANGE`."""
+    version = keras.__version__ if keras_version is None else keras_version
+    match = re.match(r"^\s*(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(
+            f"`keras_version` must look like 'MAJOR.MINOR[.PATCH...]'. "
+            f"Received: keras_version={version!r}"
+        )
+    low, high = KNOWN_KERAS_RANGE
+    return low <= (int(match.group(1)), int(match.group(2))) <= high
+
+
+def set_initial_epoch(model: keras.Model, epoch: int) -> None:
+    """Makes the `fit` now calling `on_train_begin` start at `epoch`."""
+    model._initial_epoch = epoch or None
+
+
+def clear_initial_epoch(model: keras.Model) -> None:
+    """Undoes `set_initial_epoch`, so a later `fit` honours its `initial_epoch`."""
+    model._initial_epoch = None
+
+
+class EpochInput(_data_adapter.DataAdapter):
+    """`fit` input whose every epoch is `dataset_fn(epoch)`, optionally entered mid-way.
+
+    Built by `tfdp.callbacks.BackupAndRestore.wrap`, which documents the
+    contract; this class only binds it to Keras.
+
+    Args:
+        dataset_fn: `epoch -> tf.data.Dataset` of global batches.
+        steps_per_epoch: batches per epoch (every epoch's dataset is cut to
+            this many).
+        position: called when an epoch starts; returns `(epoch, first_batch)`
+            to run, or `None` outside a `fit` that uses the owning callback
+            (Keras' symbolic build peeks at one batch then: epoch 0 is used).
+    """
+
+    def __init__(
+        self,
+        dataset_fn: Callable[[int], tf.data.Dataset],
+        *,
+        steps_per_epoch: int,
+        position: Callable[[], tuple[int, int] | None],
+    ):
+        self._dataset_fn = dataset_fn
+        self._steps_per_epoch = steps_per_epoch
+        self._position = position
+        self.in_use = False  # set when a `fit` adopts this input
+
+    def dataset(self, epoch: int, skip: int = 0) -> tf.data.Dataset:
+        """The global batches of `epoch` from batch `skip` on."""
+        dataset = self._dataset_fn(epoch)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"`dataset_fn` must return a tf.data.Dataset of global batches. "
+                f"Received: dataset_fn({epoch}) -> {type(dataset).__name__}"
+            )
+        dataset = dataset.take(self._steps_per_epoch)
+        return dataset.skip(skip) if skip else dataset
+
+    # --- the DataAdapter interface fit uses (TensorFlow backend) -------------
+
+    def get_tf_dataset(self):
+        self.in_use = True
+        return self.dataset(0)
+
+    @property
+    def num_batches(self):
+        return self._steps_per_epoch
+
+    @property
+    def batch_size(self):
+        return None
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+    def get_numpy_iterator(self):
+        raise NotImplementedError("EpochInput serves the TensorFlow backend only.")
+
+    get_jax_iterator = get_numpy_iterator
+    get_torch_dataloader = get_numpy_iterator
+
+    # --- the epoch loop ------------------------------------------------------
+
+    def enumerate_epoch(self, iterator):
+        """Replaces `EpochIterator._enumerate_iterator` for this input.
+
+        Yields `(first_step, last_step, distributed_iterator)` like Keras, with
+        steps numbered from the batch the epoch is entered at.
+        """
+        if iterator.steps_per_epoch and iterator.steps_per_epoch != self._steps_per_epoch:
+            raise ValueError(
+                f"With a tfdp BackupAndRestore input, an epoch is one pass over "
+                f"dataset_fn(epoch) ({self._steps_per_epoch} batches); do not pass "
+                f"`steps_per_epoch` to fit. Received: steps_per_epoch="
+                f"{iterator.steps_per_epoch}. Set it in backup.wrap(..., "
+                f"steps_per_epoch=...) instead."
+            )
+        epoch, start = self._position() or (0, 0)
+        strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
+        distributed = iter(strategy.experimental_distribute_dataset(self.dataset(epoch, start)))
+        step_size = iterator.steps_per_execution
+        for step in range(start, self._steps_per_epoch, step_size):
+            yield step, step + step_size - 1, distributed
+
+
+def _make_enumerate_iterator(original: Callable) -> Callable:
+    def _enumerate_iterator(self):
+        if isinstance(self.data_adapter, EpochInput):
+            return self.data_adapter.enumerate_epoch(self)
+        return original(self)
+
+    return _enumerate_iterator
+
+
+def install() -> bool:
+    """Routes `fit`'s epoch loop through `EpochInput` when it is the input.
+
+    Idempotent; a no-op (returning False) on Keras versions outside
+    `KNOWN_KERAS_RANGE`.
+
+    Returns:
+        True if the patch is in place after the call.
+    """
+    if not is_supported():
+        return False
+    with _lock:
+        current = _epoch_iterator.EpochIterator._enumerate_iterator
+        if not getattr(current, _PATCH_MARKER, False):
+            replacement = _make_enumerate_iterator(current)
+            setattr(replacement, _PATCH_MARKER, True)
+            replacement.__wrapped__ = current
+            _epoch_iterator.EpochIterator._enumerate_iterator = replacement
+    return True
+
+
+def uninstall() -> bool:
+    """Restores Keras' own `_enumerate_iterator`; True if it was patched."""
+    with _lock:
+        current = _epoch_iterator.EpochIterator._enumerate_iterator
+        if not getattr(current, _PATCH_MARKER, False):
+            return False
+        _epoch_iterator.EpochIterator._enumerate_iterator = current.__wrapped__
+        return True
