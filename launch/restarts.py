@@ -4,8 +4,8 @@ This module owns the attempt loop of one node's launcher: run the workers as a
 `WorkerGroup`; when one fails and restarts are left, the group is stopped
 (SIGTERM, the grace period, SIGKILL, `wait()` for every process), the next
 attempt is planned from scratch and a new group starts. When no restart is
-left, the failing worker's last lines of output are repeated on stderr and
-the launcher exits with its exit code. A signal to the launcher (SIGINT,
+left, the failing worker's last lines of stdout and of stderr are repeated on
+the launcher's stderr, and the launcher exits with the worker's exit code. A signal to the launcher (SIGINT,
 SIGTERM) stops the workers and never leads to a restart.
 
 What a restart changes is not decided here: the `replan` callable builds the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import sys
-from typing import BinaryIO, Callable, Sequence, TypeVar
+from typing import BinaryIO, Callable, Mapping, Sequence, TypeVar
 
 from launch.output import LineSink
 from launch.signals import SignalCatcher
@@ -45,7 +45,7 @@ Plan = TypeVar("Plan")
 class _Attempt:
     result: GroupResult | None  # None: the workers could not be started
     start_error: int | None
-    tail: list[bytes]
+    tail: dict[str, list[bytes]]
 
 
 def _run_attempt(plan, attempt: int, *, describe, signals: SignalCatcher, stdout, stderr,
@@ -57,21 +57,24 @@ def _run_attempt(plan, attempt: int, *, describe, signals: SignalCatcher, stdout
             group.start()
         except OSError as e:
             group.log(f"could not start the workers: {e}")
-            return _Attempt(None, 127 if isinstance(e, FileNotFoundError) else 126, [])
+            return _Attempt(None, 127 if isinstance(e, FileNotFoundError) else 126, {})
         result = group.supervise(grace_period=plan.grace_period, signals=signals)
     # After close(): the pumps drained every pipe, so the tail is complete.
-    tail = group.output_tail(result.failure.rank) if result.failure is not None else []
+    tail = group.output_tail(result.failure.rank) if result.failure is not None else {}
     return _Attempt(result, None, tail)
 
 
 def _log_tail(log: Callable[[str], None], sink: LineSink, rank: int,
-              tail: Sequence[bytes]) -> None:
-    if not tail:
+              tail: Mapping[str, Sequence[bytes]]) -> None:
+    if not any(tail.values()):
         log(f"worker {rank} wrote no output")
         return
-    log(f"last {len(tail)} line(s) of worker {rank}'s output (stdout and stderr):")
-    for line in tail:
-        sink.write_line(b"[launch] | ", line)
+    for stream in ("stdout", "stderr"):  # stderr last: tracebacks end up next to the exit
+        lines = tail.get(stream, ())
+        if lines:
+            log(f"last {len(lines)} line(s) of worker {rank}'s {stream}:")
+            for line in lines:
+                sink.write_line(b"[launch] | ", line)
 
 
 def run_with_restarts(
@@ -99,8 +102,8 @@ def run_with_restarts(
             `sys.stdout.buffer`.
         stderr: stream for their stderr and the `[launch] ` messages.
             Defaults to `sys.stderr.buffer`.
-        tail_lines: lines of the failing worker's output repeated at the end.
-            Defaults to `DEFAULT_TAIL_LINES` (20).
+        tail_lines: lines of the failing worker's stdout, and of its stderr,
+            repeated at the end. Defaults to `DEFAULT_TAIL_LINES` (20).
 
     Returns:
         0 when an attempt ends with every worker exiting 0; the failing

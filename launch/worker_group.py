@@ -127,7 +127,10 @@ class _Worker:
         self.proc = proc
         self.pgid = proc.pid  # start_new_session: the worker leads its group
         self.pumps: list[PrefixPump] = []
-        self.tail: collections.deque = collections.deque(maxlen=tail_lines)
+        # The last lines of each stream (kept apart: the two pumps run
+        # independently, so their relative order is not reliable).
+        self.tails = {name: collections.deque(maxlen=tail_lines)
+                      for name in ("stdout", "stderr")}
         self.exit: WorkerExit | None = None  # set once the exit is recorded
 
 
@@ -144,8 +147,8 @@ class WorkerGroup:
             `sys.stdout.buffer`.
         stderr: binary stream receiving prefixed worker stderr and the
             launcher's own `[launch] ` messages. Defaults to `sys.stderr.buffer`.
-        tail_lines: how many of each worker's last output lines (stdout and
-            stderr together) `output_tail` keeps. Defaults to
+        tail_lines: how many of each worker's last stdout lines, and of its
+            last stderr lines, `output_tail` keeps. Defaults to
             `DEFAULT_TAIL_LINES` (20).
 
     Raises:
@@ -212,9 +215,9 @@ class WorkerGroup:
         # Pumps start after every fork: `preexec_fn` is only safe while this
         # process has no other threads.
         for worker in self._workers:
-            for pipe, sink in ((worker.proc.stdout, self._stdout),
-                               (worker.proc.stderr, self._stderr)):
-                pump = PrefixPump(pipe, sink, worker.spec.prefix, tail=worker.tail)
+            for name, pipe, sink in (("stdout", worker.proc.stdout, self._stdout),
+                                     ("stderr", worker.proc.stderr, self._stderr)):
+                pump = PrefixPump(pipe, sink, worker.spec.prefix, tail=worker.tails[name])
                 pump.start()
                 worker.pumps.append(pump)
 
@@ -232,8 +235,8 @@ class WorkerGroup:
         """Workers that exited so far, in the order they were seen."""
         return tuple(self._exits)
 
-    def output_tail(self, rank: int) -> list[bytes]:
-        """The last lines worker `rank` wrote (stdout and stderr, arrival order).
+    def output_tail(self, rank: int) -> dict[str, list[bytes]]:
+        """The last lines worker `rank` wrote: `{"stdout": [...], "stderr": [...]}`.
 
         Complete only once the worker's pipes are drained: after `close()`.
 
@@ -242,7 +245,7 @@ class WorkerGroup:
         """
         for worker in self._workers:
             if worker.spec.rank == rank:
-                return list(worker.tail)
+                return {name: list(tail) for name, tail in worker.tails.items()}
         raise KeyError(f"no started worker has rank {rank}; ranks: {sorted(self.pids)}")
 
     def running(self) -> list[int]:

@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from launch import __main__ as launch_main
+from launch import local
 from launch_snippets import PRELUDE
 from multiworker import (
     LaunchFailed,
@@ -23,7 +24,7 @@ from multiworker import (
     wait_for_files,
     write_worker_script,
 )
-from tfdp.cluster import parse_tf_config
+from tfdp.cluster import free_ports, parse_tf_config
 
 
 @pytest.mark.parametrize(
@@ -45,6 +46,24 @@ from tfdp.cluster import parse_tf_config
          "`grace_period` must be a finite number of seconds >= 0"),
         (["--nproc_per_node", "1", "--", "no-such-program-tfdp", "x"],
          "'no-such-program-tfdp' was not found on PATH"),
+        (["--nproc_per_node", "1", "--max_restarts", "-1", "--", "python"],
+         "`max_restarts` must be >= 0"),
+        (["--nproc_per_node", "1", "--nnodes", "2", "--", "python"],
+         "--hosts is required with --nnodes 2"),
+        (["--nproc_per_node", "1", "--hosts", "127.0.0.1:5000", "--port", "5000", "--",
+          "python"], "--port cannot be combined with --hosts"),
+        (["--nproc_per_node", "1", "--node_rank", "1", "--", "python"],
+         "--node_rank 1 needs --nnodes > 1 and --hosts"),
+        (["--nproc_per_node", "1", "--bind_all", "--", "python"],
+         "--bind_all only applies with --hosts"),
+        (["--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "2", "--hosts",
+          "127.0.0.1:5000,127.0.0.1:5010", "--", "python"], "`node_rank` must be in [0, 1]"),
+        (["--nproc_per_node", "1", "--nnodes", "3", "--hosts", "127.0.0.1:5000,127.0.0.1:5010",
+          "--", "python"], "nnodes=3, but it has 2"),
+        (["--nproc_per_node", "1", "--nnodes", "2", "--hosts", "127.0.0.1:5000,127.0.0.1",
+          "--", "python"], "`hosts` entry 1 must be host:port"),
+        (["--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "1", "--hosts",
+          "10.255.255.1:2222,127.0.0.1:5010", "--", "python"], "Pass --bind_all"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, fragment, capsys):
@@ -62,7 +81,10 @@ def test_help_documents_env_and_exit_codes(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     for fragment in ("TFDP_RANK", "TFDP_LOCAL_RANK", "TFDP_WORLD_SIZE", "TF_CONFIG",
-                     "SIGTERM: 143", "2 for invalid arguments", "--grace_period"):
+                     "SIGTERM: 143", "2 for invalid arguments", "--grace_period",
+                     "TFDP_NODE_RANK", "TFDP_RESTART_COUNT", "--max_restarts", "--hosts",
+                     "--bind_all", "host_r:port_r+i", "r*N+i", "listens on all interfaces",
+                     "python -m launch slurm --help", "python -m launch k8s --help"):
         assert fragment in text
 
 
@@ -162,3 +184,91 @@ def test_cli_forwards_sigterm_and_sigkills_after_the_grace_period(tmp_path, pid_
     assert not any(m.startswith("worker 1 (pid") for m in messages), messages
     assert messages[-1] == "exiting with code 143 (stopped the workers after a signal)"
     assert_processes_gone(pids)
+
+
+MULTI_NODE_REPORT = """
+import json
+print(json.dumps({name: os.environ[name] for name in (
+    "TF_CONFIG", "TFDP_RANK", "TFDP_LOCAL_RANK", "TFDP_NODE_RANK", "TFDP_WORLD_SIZE")}))
+"""
+
+
+def _free_first_ports(count, width):
+    """`count` first ports of free, disjoint ranges of `width` ports."""
+    firsts = []
+    for _ in range(200):
+        first = free_ports(1)[0]
+        if (first + width <= 65535
+                and not any(local.port_in_use(p) for p in range(first, first + width))
+                and all(first + width <= f or f + width <= first for f in firsts)):
+            firsts.append(first)
+        if len(firsts) == count:
+            return firsts
+    pytest.skip("no free port ranges found")
+
+
+def _start_nodes(command, *, hosts, nproc, env, extra=()):
+    return [start_launch(command, nproc=nproc, env=env, launch_args=[
+        "--nnodes", str(len(hosts.split(","))), "--node_rank", str(rank), "--hosts", hosts,
+        "--grace_period", "2", *extra]) for rank in range(len(hosts.split(",")))]
+
+
+@pytest.mark.slow
+def test_cli_two_nodes_on_one_machine_form_one_job(tmp_path, pid_dir):
+    script = write_worker_script(tmp_path, PRELUDE + MULTI_NODE_REPORT)
+    first = _free_first_ports(2, 2)
+    hosts = ",".join(f"127.0.0.1:{port}" for port in first)
+    jobs = _start_nodes(python_command(script), hosts=hosts, nproc=2,
+                        env={"PID_DIR": str(pid_dir)})
+    try:
+        results = [job.wait(timeout=120) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    reports = {}
+    for node, result in enumerate(results):
+        assert result.returncode == 0, result.describe()
+        assert result.launcher_messages()[0].startswith(
+            f"starting 2 worker(s) on 127.0.0.1 ports {first[node]},{first[node] + 1} "
+            f"(node {node} of 2: ranks {2 * node}..{2 * node + 1} of 4)")
+        for rank in (2 * node, 2 * node + 1):
+            reports[rank] = json.loads(result.worker_stdout(rank)[0])
+    assert sorted(reports) == [0, 1, 2, 3]
+    clusters = {parse_tf_config(r["TF_CONFIG"]).cluster["worker"] for r in reports.values()}
+    assert clusters == {(f"127.0.0.1:{first[0]}", f"127.0.0.1:{first[0] + 1}",
+                         f"127.0.0.1:{first[1]}", f"127.0.0.1:{first[1] + 1}")}
+    for rank, report in reports.items():
+        assert parse_tf_config(report["TF_CONFIG"]).task_index == rank
+        assert (report["TFDP_RANK"], report["TFDP_LOCAL_RANK"], report["TFDP_NODE_RANK"],
+                report["TFDP_WORLD_SIZE"]) == (str(rank), str(rank % 2), str(rank // 2), "4")
+
+
+ALL_REDUCE_WORKER = """
+import tensorflow as tf
+import tfdp
+
+strategy = tfdp.make_strategy("multi_worker")
+total = strategy.reduce(tf.distribute.ReduceOp.SUM,
+                        strategy.run(lambda: tf.constant(1.0)), axis=None)
+info = tfdp.strategy_info(strategy)
+print(f"all-reduce {float(total)} worker {info.worker_index} of {info.num_workers}", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_two_nodes_of_one_tensorflow_worker_all_reduce(tmp_path):
+    """Two launcher invocations (node ranks 0 and 1), one TensorFlow worker each."""
+    script = write_worker_script(tmp_path, ALL_REDUCE_WORKER)
+    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_first_ports(2, 1))
+    jobs = _start_nodes(python_command(script), hosts=hosts, nproc=1, env={})
+    try:
+        results = [job.wait(timeout=240) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    print(f"2 nodes x 1 TensorFlow worker: {max(r.elapsed for r in results):.1f} s")
+    for node, result in enumerate(results):
+        assert result.returncode == 0, result.describe()
+        assert f"all-reduce 2.0 worker {node} of 2" in result.worker_stdout(node), \
+            result.describe()

@@ -336,3 +336,90 @@ def test_a_worker_that_cannot_start_stops_the_started_ones(tmp_path, pid_dir):
     sleeps = [pid for pid in _proc.children_of(os.getpid())
               if _proc.process_state(pid) is not None]
     assert sleeps == []
+
+
+# -- plan_nodes: this node's share of a multi-node job -------------------------
+
+def _two_free_ranges(width):
+    """Two first ports whose ranges of `width` ports are free and disjoint."""
+    firsts = []
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            first = probe.getsockname()[1]
+        ports = range(first, first + width)
+        if first + width > 65535 or any(local.port_in_use(p) for p in ports):
+            continue
+        if firsts and abs(firsts[0] - first) < width:
+            continue
+        firsts.append(first)
+        if len(firsts) == 2:
+            return firsts
+    pytest.skip("no free port ranges found")
+
+
+def test_plan_nodes_every_node_builds_the_same_cluster_with_its_own_ranks():
+    p, q = _two_free_ranges(2)
+    hosts = f"127.0.0.1:{p},127.0.0.1:{q}"
+    environ = {"PATH": os.environ["PATH"]}
+    plans = [local.plan_nodes(["python", "train.py"], nnodes=2, node_rank=rank, hosts=hosts,
+                              nproc_per_node=2, environ=environ) for rank in (0, 1)]
+    expected = (f"127.0.0.1:{p}", f"127.0.0.1:{p + 1}", f"127.0.0.1:{q}", f"127.0.0.1:{q + 1}")
+    assert plans[0].ports == (p, p + 1) and plans[1].ports == (q, q + 1)
+    specs = [spec for plan in plans for spec in plan.workers]
+    assert [spec.rank for spec in specs] == [0, 1, 2, 3]
+    for spec in specs:
+        env = spec.env
+        config = parse_tf_config(env["TF_CONFIG"])
+        assert config.cluster == {"worker": expected}
+        assert config.task_index == config.worker_index == spec.rank == int(env["TFDP_RANK"])
+        assert env["TFDP_LOCAL_RANK"] == str(spec.rank % 2)
+        assert env["TFDP_NODE_RANK"] == str(spec.rank // 2)
+        assert (env["TFDP_WORLD_SIZE"], env["TFDP_LOCAL_WORLD_SIZE"]) == ("4", "2")
+        assert env["TFDP_RESTART_COUNT"] == "0"
+        assert config.address == expected[spec.rank]  # each worker's own address
+    assert plans[1].describe().startswith(
+        f"starting 2 worker(s) on 127.0.0.1 ports {q},{q + 1} (node 1 of 2: ranks 2..3 of 4): ")
+    assert all(plan.fixed_ports and not plan.bind_all for plan in plans)
+
+
+def test_plan_nodes_rejects_a_busy_port_of_this_node():
+    p, q = _two_free_ranges(1)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", q))
+        busy.listen()
+        hosts = f"127.0.0.1:{p},127.0.0.1:{q}"
+        local.plan_nodes(["python"], nnodes=2, node_rank=0, hosts=hosts, nproc_per_node=1)
+        with pytest.raises(ValueError, match=rf"`hosts` entry 1 \(127.0.0.1:{q}\): ports "
+                                             rf"{q}..{q} must be free .* port {q} is in use"):
+            local.plan_nodes(["python"], nnodes=2, node_rank=1, hosts=hosts, nproc_per_node=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,fragment",
+    [
+        ({"bind_all": "yes"}, TypeError, "`bind_all` must be a bool"),
+        ({"max_restarts": -1}, ValueError, "`max_restarts` must be >= 0"),
+        ({"hosts": "127.0.0.1:5000"}, ValueError, "nnodes=2, but it has 1"),
+        ({"nproc_per_node": 0}, ValueError, "`nproc_per_node` must be >= 1"),
+    ],
+)
+def test_plan_nodes_rejects_bad_arguments(kwargs, error, fragment):
+    arguments = {"nnodes": 2, "node_rank": 0, "hosts": "127.0.0.1:5000,127.0.0.1:5010",
+                 "nproc_per_node": 1, **kwargs}
+    with pytest.raises(error) as info:
+        local.plan_nodes(["python"], **arguments)
+    assert fragment in str(info.value)
+
+
+def test_bind_all_logs_the_unauthenticated_endpoint_warning(tmp_path):
+    p, _ = _two_free_ranges(1)
+    plan = local.plan_nodes(["true"], nnodes=2, node_rank=1, bind_all=True,
+                            hosts=f"10.255.255.1:2222,127.0.0.1:{p}", nproc_per_node=1)
+    assert plan.exposed == ("10.255.255.1:2222",)
+    err = io.BytesIO()
+    assert local.run_plan(plan, stdout=io.BytesIO(), stderr=err) == 0
+    first = err.getvalue().decode().splitlines()[0]
+    assert first.startswith("[launch] warning: --bind_all: workers are reached at "
+                            "10.255.255.1:2222. TensorFlow's gRPC endpoints have no "
+                            "authentication")

@@ -111,3 +111,21 @@ def test_prefix_pump_copies_a_pipe_until_eof():
         pump.join(timeout=10)
         assert not pump.is_alive()
     assert stream.getvalue() == b"[12] a\n[12] b\n[12] \n[12] c\n"
+
+
+def test_output_tail_keeps_the_last_lines_of_each_stream(tmp_path, pid_dir):
+    source = PRELUDE + """
+for i in range(30):
+    print(f"out {i}", flush=True)
+print("the error", file=sys.stderr, flush=True)
+"""
+    script = write_worker_script(tmp_path, source)
+    with WorkerGroup(_specs(script, pid_dir, 1), stdout=io.BytesIO(), stderr=io.BytesIO(),
+                     tail_lines=5) as group:
+        group.start()
+        group.supervise(grace_period=1.0)
+    assert group.output_tail(0) == {
+        "stdout": [b"out 25\n", b"out 26\n", b"out 27\n", b"out 28\n", b"out 29\n"],
+        "stderr": [b"the error\n"]}
+    with pytest.raises(KeyError, match="no started worker has rank 3"):
+        group.output_tail(3)
