@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from tfdp import strategy as strategy_lib
 from tfdp._upstream import keras_train_step
+from tfdp._upstream import loss_scale
 
 
 def _check_accum_steps(accum_steps) -> None:
@@ -221,6 +222,12 @@ def compile(  # pylint: disable=redefined-builtin
             "(keras-team/keras#20582). Remove it from the optimizer and pass "
             f"accum_steps={keras_accumulation} to tfdp.compile instead."
         )
+    if model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
+        "auto_scale_loss", True
+    ):
+        # What Keras' compile would do, with replicas that agree on skipping
+        # an overflowing step (see tfdp._upstream.loss_scale).
+        optimizer = loss_scale.with_consistent_loss_scaling(keras.optimizers.get(optimizer))
     model.compile(
         optimizer=optimizer,
         loss=loss,

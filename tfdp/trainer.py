@@ -30,6 +30,7 @@ from absl import logging
 from tfdp import accumulation
 from tfdp import checkpointing
 from tfdp import strategy as strategy_lib
+from tfdp._upstream import loss_scale
 from tfdp.batch import BatchConfig
 
 DatasetLike = Union[tf.data.Dataset, tf.distribute.DistributedDataset, Any]
@@ -94,7 +95,8 @@ class Trainer:
             `strategy.scope()`.
         optimizer: a Keras optimizer instance created in `strategy.scope()`.
             Under the `mixed_float16` policy it is wrapped in a
-            `LossScaleOptimizer`.
+            `LossScaleOptimizer` whose replicas all skip a step when any
+            replica's gradients overflow (`tfdp._upstream.loss_scale`).
         loss: a Keras loss (name, function or `keras.losses.Loss`); its
             per-example values are averaged over the global batch.
         strategy: the `tf.distribute.Strategy` to train under.
@@ -192,10 +194,10 @@ class Trainer:
                 "`with strategy.scope():`."
             )
         with strategy.scope():
-            if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
+            if keras.config.dtype_policy().name == "mixed_float16" or isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer
             ):
-                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+                optimizer = loss_scale.with_consistent_loss_scaling(optimizer)
             optimizer.build(model.trainable_variables)
             self._train_loss = keras.metrics.Mean(name="loss")
             self._eval_loss = keras.metrics.Mean(name="loss")
