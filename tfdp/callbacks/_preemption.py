@@ -16,9 +16,9 @@ What is saved, and where, is the caller's (`save_fn`).
   has passed that step. Its save goes through `save_fn` (so only the chief
   writes to the backup directory), and its exit through `exit_fn`. Limits of
   that API, kept: on Google Cloud CPU and TPU VMs it does nothing (TensorFlow
-  logs "does not support usage with TPU or CPU device on GCP"); on GCP GPU VMs
-  it watches the maintenance-event metadata instead of SIGTERM. `start()`
-  logs a warning when no SIGTERM handler got installed.
+  logs "does not support usage with TPU or CPU device on GCP"); on Google
+  Cloud GPU VMs it watches maintenance events instead of SIGTERM. `start()`
+  warns when it installed no SIGTERM handler.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ class PreemptionWatcher:
                 ),
             )
             if signal.getsignal(signal.SIGTERM) is self._previous:
+                # On Google Cloud it watches maintenance events (GPU VMs) or
+                # nothing (CPU/TPU VMs) instead; keep it for the former.
                 logging.warning(
-                    "tfdp BackupAndRestore: PreemptionCheckpointHandler installed no "
-                    "SIGTERM handler on this platform (Google Cloud VM?); a SIGTERM "
-                    "will not save a checkpoint."
+                    "tfdp BackupAndRestore: PreemptionCheckpointHandler watches no "
+                    "SIGTERM on this platform (a Google Cloud VM); a SIGTERM will not "
+                    "save a checkpoint."
                 )
-                self._handler = None
-                return
         else:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True

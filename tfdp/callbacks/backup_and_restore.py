@@ -16,9 +16,10 @@ when training completes. It does not own:
   `tfdp._upstream.keras_fit_resume`.
 
 Why not `keras.callbacks.BackupAndRestore`: in Keras 3.15 it records the batch
-it saved at but restarts that epoch at batch 0 (with `save_freq=2`, a backup
-at epoch 1, batch 3 re-applied 32 examples), every worker writes (and at the
-end deletes) the same files, and it ignores SIGTERM.
+it saved at but restarts that epoch at batch 0, so the batches already applied
+are applied twice (`tests/callbacks/test_keras_fit_resume.py` measures it);
+every worker writes, and at the end deletes, the same files; and it ignores
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -74,25 +75,35 @@ class BackupAndRestore(keras.callbacks.Callback):
     every worker must be able to read, to restore).
 
     **The input contract.** A distributed iterator cannot be checkpointed
-    (tensorflow/tensorflow#56372), so the input position is rebuilt: pass
-    `fit` the input `backup.wrap(dataset_fn)` returns. Every epoch is then
-    `dataset_fn(epoch)` (global batches; its order must depend only on its
-    seeds and `epoch`, never on how often it was called), and a resumed epoch
-    skips the batches already applied and numbers its steps from there, so
-    each example is seen exactly once per epoch and the progress bar counts
-    `b+1 ... steps_per_epoch`. A resumed run ends with the same weights and
-    `optimizer.iterations` as one that never stopped.
+    (tensorflow/tensorflow#56372), so the input position is rebuilt instead:
+    pass `fit` the input `backup.wrap(dataset_fn)` returns (no `y`, no
+    `steps_per_epoch`). Epoch `e` is then one pass over `dataset_fn(e)`, a
+    `tf.data.Dataset` of global batches whose order depends only on its seeds
+    and `e` (seed the shuffle with the epoch; never rely on how many times it
+    was iterated), with the same number of batches every epoch and in every
+    run. A resumed epoch skips the batches already applied and Keras numbers
+    its steps from there, so each example is seen exactly once per epoch, the
+    progress bar goes from `b+1/steps` to `steps/steps`, and the run ends
+    with the same weights and `optimizer.iterations` as one that never
+    stopped. Under MultiWorkerMirroredStrategy every worker builds the same
+    global batches and `tf.distribute` splits them, as for any `fit` input.
+    The restored epoch replaces `fit`'s `initial_epoch`; the metrics logged
+    for the resumed epoch cover the batches run since the restart.
 
-    Any other `fit` input (arrays, a dataset) works only at epoch granularity:
-    `save_freq` must be `"epoch"`, and a SIGTERM mid-epoch exits without
-    saving, so that epoch is trained again from its start after the restart.
+    Any other `fit` input (arrays, a dataset) resumes at epoch granularity
+    only: `save_freq` must be `"epoch"`, and a SIGTERM mid-epoch exits without
+    saving, so that epoch is trained again from its first batch (which is
+    exact only if the input yields the same batches every epoch).
 
-    **SIGTERM.** After the step during which SIGTERM arrives (under
-    MultiWorkerMirroredStrategy: a step all workers agree on, through
-    `tf.distribute.experimental.PreemptionCheckpointHandler`; at most one step
-    later), every worker saves and the process exits with status `exit_code`
-    (42, `PREEMPTION_EXIT_CODE`, by default): rerun the same command to
-    resume. `fit` must run on the main thread for this.
+    **SIGTERM.** After the training step during which SIGTERM arrives (the
+    `steps_per_execution` steps Keras runs between callbacks), every worker
+    saves and the process exits with status `exit_code`: 42
+    (`PREEMPTION_EXIT_CODE`) by default, the restart code of
+    `tf.distribute.experimental.PreemptionCheckpointHandler`; rerun the same
+    command to resume. Under MultiWorkerMirroredStrategy that handler makes
+    the workers agree on the step (the next one: at most one step later than
+    alone); on Google Cloud CPU/TPU VMs it does not watch SIGTERM (a warning
+    says so). `fit` must run on the main thread for SIGTERM to be caught.
 
     Example:
 
@@ -270,17 +281,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         done = batch + 1
         if self._steps_per_epoch:
             done = min(done, self._steps_per_epoch)
-        if done <= self._batch:  # Keras numbers each epoch from 0 again
-            return
-        before = self._step
-        self._step += done - self._batch
-        self._batch = done
-        if self.save_freq != "epoch" and self._step // self.save_freq > before // self.save_freq:
-            self._save()
-        if self._watcher is not None:
+        if done > self._batch:
+            before = self._step
+            self._step += done - self._batch
+            self._batch = done
+            if self.save_freq != "epoch" and self._step // self.save_freq > before // self.save_freq:
+                self._save()
+        if self._watcher is not None:  # every worker, after every batch
             self._watcher.step_end()
 
     def on_epoch_end(self, epoch, logs=None):
+        if self._steps_per_epoch and self._mid_epoch():  # stop_training part-way
+            if self.save_freq == "epoch" and self._wrapped:
+                self._save()
+            return
         self._epoch, self._batch = epoch + 1, 0
         if self.save_freq == "epoch":
             self._save()
@@ -418,8 +432,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 path, self._epoch, self._batch, self._step,
             )
 
+    def _mid_epoch(self) -> bool:
+        """Whether the current epoch has started but not finished."""
+        if self._steps_per_epoch:
+            return 0 < self._batch < self._steps_per_epoch
+        return self._batch > 0
+
     def _save_on_sigterm(self) -> None:
-        if self._batch and not self._wrapped:
+        if self._mid_epoch() and not self._wrapped:
             logging.warning(
                 "tfdp BackupAndRestore: fit's input is not backup.wrap(...), so a "
                 "mid-epoch position cannot be resumed exactly; the backup stays at "

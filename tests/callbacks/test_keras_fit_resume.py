@@ -1,0 +1,115 @@
+"""tfdp._upstream.keras_fit_resume against the installed Keras.
+
+Two kinds of test: each Keras internal the module relies on still behaves as
+it did (so a Keras upgrade that moves one fails here, not in a user's
+resumed run), and the reasons the module exists still hold (so we learn when
+upstream no longer needs it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import pytest
+
+import backup_testing as bt
+from tfdp._upstream import keras_fit_resume
+from keras.src.trainers.data_adapters import data_adapter
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Batches(keras.callbacks.Callback):
+    """Records (epoch, batch) for every on_train_batch_end; can crash at a step."""
+
+    def __init__(self, crash_at=None):
+        super().__init__()
+        self.crash_at = crash_at
+        self.batches = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append((self.epoch, batch))
+        if self.crash_at and len(self.batches) >= self.crash_at:
+            raise _Interrupted()
+
+
+def _model():
+    return bt.compile_model(bt.build_model())
+
+
+def test_keras_backup_and_restore_still_restarts_the_epoch_at_batch_0(tmp_path):
+    """Why tfdp has its own callback. If this fails, Keras resumes mid-epoch itself."""
+    dataset = bt.dataset_for_epoch(0)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2, delete_checkpoint=False)
+    with pytest.raises(_Interrupted):
+        _model().fit(dataset, epochs=bt.EPOCHS, verbose=0, shuffle=False,
+                     callbacks=[backup, _Batches(crash_at=9)])
+    metadata = json.loads((tmp_path / "training_metadata.json").read_text())
+    assert metadata == {"epoch": 1, "batch": 1}  # it knows 2 batches of epoch 1 were done
+
+    resumed = _Batches()
+    _model().fit(dataset, epochs=bt.EPOCHS, verbose=0, shuffle=False,
+                 callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2),
+                            resumed])
+    # 18 - 8 = 10 batches remained; Keras trains 12: batches 0-1 of epoch 1 twice.
+    assert len(resumed.batches) == 12
+    assert resumed.batches[0] == (1, 0)
+
+
+def test_keras_data_adapters_have_no_iterator_state_hook_yet():
+    """keras-team/keras#22490 proposed get/set_iterator_state; if it lands, use it."""
+    assert not hasattr(data_adapter.DataAdapter, "set_iterator_state")
+
+
+def test_without_the_patch_every_epoch_starts_at_batch_0():
+    """`EpochIterator` numbers steps from 0 and ignores where an epoch should start."""
+    model = _model()
+    position = (0, 2)
+    epoch_input = keras_fit_resume.EpochInput(
+        bt.dataset_for_epoch, steps_per_epoch=bt.STEPS_PER_EPOCH, position=lambda: position)
+    recorder = _Batches()
+    keras_fit_resume.install()
+    assert keras_fit_resume.uninstall()
+    try:
+        model.fit(epoch_input, epochs=1, verbose=0, callbacks=[recorder])
+    finally:
+        assert keras_fit_resume.install()
+    assert [b for _, b in recorder.batches] == list(range(bt.STEPS_PER_EPOCH))
+
+    recorder = _Batches()
+    model.fit(epoch_input, epochs=1, verbose=0, callbacks=[recorder])
+    assert [b for _, b in recorder.batches] == list(range(2, bt.STEPS_PER_EPOCH))
+
+
+def test_fit_starts_at_the_initial_epoch_a_callback_sets():
+    class SetsInitialEpoch(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            keras_fit_resume.set_initial_epoch(self.model, 2)
+
+    model = _model()
+    recorder = _Batches()
+    model.fit(bt.dataset_for_epoch(0), epochs=3, verbose=0, shuffle=False,
+              callbacks=[SetsInitialEpoch(), recorder])
+    assert {epoch for epoch, _ in recorder.batches} == {2}
+    # Keras never resets it: without clear_initial_epoch, the next fit would skip epochs.
+    recorder = _Batches()
+    model.fit(bt.dataset_for_epoch(0), epochs=1, verbose=0, shuffle=False, callbacks=[recorder])
+    assert recorder.batches == []
+    keras_fit_resume.clear_initial_epoch(model)
+    model.fit(bt.dataset_for_epoch(0), epochs=1, verbose=0, shuffle=False, callbacks=[recorder])
+    assert {epoch for epoch, _ in recorder.batches} == {0}
+
+
+def test_install_is_idempotent_and_version_gated():
+    assert keras_fit_resume.install() and keras_fit_resume.install()
+    assert keras_fit_resume.is_supported()
+    assert keras_fit_resume.is_supported("3.15.1") and keras_fit_resume.is_supported("3.0.0")
+    assert not keras_fit_resume.is_supported("3.16.0")
+    with pytest.raises(ValueError, match=r"`keras_version` must look like 'MAJOR.MINOR"):
+        keras_fit_resume.is_supported("three")
