@@ -32,15 +32,18 @@ Several nodes. Run the same command on every node, each with its own
 --node_rank. --hosts lists every node's address and first port in node-rank
 order: node r's local worker i listens on host_r:port_r+i and has global rank
 r*N+i. Addresses that are not loopback need --bind_all: TensorFlow's gRPC
-server listens on all interfaces whatever the address (it cannot be told
-otherwise) and has no authentication, so a job reachable from other machines
-must run on a private, firewalled network.
+server listens on all interfaces whatever the address (even on one host, where
+TF_CONFIG says 127.0.0.1; TensorFlow cannot be told otherwise) and has no
+authentication, so a job reachable from other machines must run on a private,
+firewalled network.
 
 Restarts. With --max_restarts K, when a worker fails the whole group is
 stopped and started again (fresh free ports, or the same fixed ones), up to K
-times; the program resumes from its latest checkpoint. A signal to the
-launcher never restarts. When no restart is left, the failing worker's last
-20 lines are repeated on stderr.
+times, with TFDP_RESTART_COUNT=1, 2, ...; a program that checkpoints
+(tfdp.Trainer with a model_dir) resumes from its latest checkpoint. A signal to
+the launcher never restarts. When no restart is left, the failing worker's
+last 20 lines of stdout and of stderr are repeated on stderr. On several
+nodes, give every node the same --max_restarts.
 
 Exit status: 0 if every worker exited 0; else the failing worker's status
 (128+N if signal N killed it); 128+N if the launcher got signal N (SIGINT: 130,

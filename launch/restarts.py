@@ -15,11 +15,16 @@ free). Nothing of the dead workers' processes carries over. The training
 program resumes on its own: `tfdp.Trainer` restores the latest checkpoint in
 its `model_dir` when it starts.
 
-Several nodes: each node's launcher restarts only its own workers, and the
-job can only continue once every node has restarted (they meet again at the
-same `--hosts` addresses). The workers on the other nodes notice the failure
-only when their next collective fails; `tfdp.make_strategy(timeout_seconds=...)`
-bounds how long that takes. Give every node the same `--max_restarts`.
+Several nodes: each node's launcher restarts only its own workers, so give
+every node the same `--max_restarts`. The others follow: a restarted worker
+reconnects to the cluster with a new incarnation, TensorFlow's coordination
+service then aborts the other workers' collectives ("... unexpectedly tried to
+connect with a different incarnation. It has likely restarted."), they exit
+with an error, and their launchers restart them too; all meet again at the
+same `--hosts` addresses (`tests/launch/test_launch_main.py` runs this with two
+nodes). A worker that dies and is *not* restarted is noticed by its peers only
+through the coordination service's heartbeat or a collective timeout
+(`tfdp.make_strategy(timeout_seconds=...)`).
 """
 
 from __future__ import annotations

@@ -272,3 +272,43 @@ def test_cli_two_nodes_of_one_tensorflow_worker_all_reduce(tmp_path):
         assert result.returncode == 0, result.describe()
         assert f"all-reduce 2.0 worker {node} of 2" in result.worker_stdout(node), \
             result.describe()
+
+
+RESTARTING_WORKER = """
+import os, sys
+import tensorflow as tf
+import tfdp
+
+attempt, rank = int(os.environ["TFDP_RESTART_COUNT"]), int(os.environ["TFDP_RANK"])
+strategy = tfdp.make_strategy("multi_worker")
+
+def all_reduce():
+    return float(strategy.reduce(tf.distribute.ReduceOp.SUM,
+                                 strategy.run(lambda: tf.constant(1.0)), axis=None))
+
+print(f"attempt {attempt} first all-reduce {all_reduce()}", flush=True)
+if rank == 1 and attempt == 0:
+    sys.exit(3)  # node 1's worker dies; node 0's worker waits in the next collective
+print(f"attempt {attempt} second all-reduce {all_reduce()}", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cli_two_nodes_restart_together_after_one_worker_fails(tmp_path):
+    script = write_worker_script(tmp_path, RESTARTING_WORKER)
+    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_first_ports(2, 1))
+    jobs = _start_nodes(python_command(script), hosts=hosts, nproc=1, env={},
+                        extra=["--max_restarts", "1"])
+    try:
+        results = [job.wait(timeout=300) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    print(f"2 nodes, one restart: {max(r.elapsed for r in results):.1f} s")
+    for node, result in enumerate(results):
+        assert result.returncode == 0, result.describe()
+        assert f"attempt 1 second all-reduce 2.0" in result.worker_stdout(node), result.describe()
+        assert any(m.startswith(f"worker {node} exited with code")
+                   and m.endswith("restarting the group (attempt 2 of 2)")
+                   for m in result.launcher_messages()), result.describe()
