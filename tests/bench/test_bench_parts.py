@@ -1,0 +1,120 @@
+"""Fast tests of the benchmark suite's parts: workloads, processes, parsing, report.
+
+No timing is asserted anywhere: only that the pieces fit together.
+"""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from tfdp.bench import input_pipeline
+from tfdp.bench import peer_torch
+from tfdp.bench import procs
+from tfdp.bench import report
+from tfdp.bench import suite
+from tfdp.bench import targets
+from tfdp.bench import workloads
+
+
+def test_keras_cnn_matches_its_definition():
+    model = workloads.build_cnn()
+    assert model.count_params() == workloads.cnn_parameter_count() == 288_298
+    assert tuple(model.output_shape) == (None, workloads.NUM_CLASSES)
+    strides = [layer.strides[0] for layer in model.layers if "conv" in layer.name]
+    assert strides == [layer.stride for layer in workloads.CNN_LAYERS]
+
+
+def test_torch_cnn_is_the_same_network():
+    torch = pytest.importorskip("torch")
+    model = peer_torch.build_torch_cnn()
+    assert sum(p.numel() for p in model.parameters()) == workloads.cnn_parameter_count()
+    height, width, channels = workloads.IMAGE_SHAPE
+    assert tuple(model(torch.zeros(2, channels, height, width)).shape) == (2, workloads.NUM_CLASSES)
+
+
+def test_mlp_is_about_ten_million_parameters():
+    assert workloads.build_mlp().count_params() == workloads.mlp_parameter_count()
+    assert 9_500_000 < workloads.mlp_parameter_count() < 10_500_000
+
+
+def test_synthetic_dataset_yields_global_batches():
+    x, y = next(iter(workloads.synthetic_dataset((4,), 8)))
+    assert tuple(x.shape) == (8, 4) and tuple(y.shape) == (8,)
+
+
+def test_a_command_past_its_deadline_is_stopped_with_its_group(tmp_path):
+    marker = tmp_path / "child.pid"
+    script = (
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(marker)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(procs.JobFailed, match="did not finish within 3 s"):
+        procs.run_command([sys.executable, "-c", script], timeout=3)
+    assert time.monotonic() - start < 30
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}"), "the grandchild outlived the deadline"
+
+
+def test_a_failing_job_reports_its_output():
+    with pytest.raises(procs.JobFailed, match="exited with status 3"):
+        procs.run_command([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
+                          timeout=30)
+
+
+def test_pipeline_output_is_parsed():
+    stdout = ("64 synthetic 8x8 JPEG images x 1 epoch(s)\n"
+              "naive pipeline:            100.5 examples/s\n"
+              "make_dataset pipeline:     301.5 examples/s\n"
+              "speed-up:                    3.00x\n")
+    parsed = input_pipeline.parse(stdout)
+    assert parsed["naive_examples_per_second"] == 100.5
+    assert parsed["pipelined_examples_per_second"] == 301.5
+    assert parsed["speedup"] == 3.0
+
+
+def test_changed_pipeline_output_names_the_fix():
+    with pytest.raises(ValueError, match="Update tfdp.bench.input_pipeline.parse"):
+        input_pipeline.parse("something else\n")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"steps": 25, "steps_per_execution": 10}, "multiple of `steps_per_execution`"),
+    ({"accum_steps": (4, 8)}, "must include 1"),
+    ({"threads": 0}, "`threads` must be a positive integer"),
+])
+def test_bad_suite_config_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        suite.SuiteConfig(**overrides)
+
+
+def test_targets_of_cases_that_did_not_run_are_not_measured():
+    rows = targets.check({name: {"status": "error", "error": "x"} for name in suite.CASES})
+    assert [r["met"] for r in rows] == [None] * len(targets.TARGETS)
+
+
+def test_report_of_a_run_where_every_case_failed_or_was_skipped(tmp_path):
+    cases = {name: {"status": "error", "error": "boom\nline two"} for name in suite.CASES}
+    cases["peer_torch"] = {"status": "skipped", "reason": "PyTorch is not installed"}
+    results = {
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gib": 1.0, "python": "3",
+                    "tensorflow": "2", "keras": "3", "torch": None,
+                    "load_average_at_start": (0.1, 0.1, 0.1)},
+        "config": {"quick": True, "threads": 1},
+        "cases": cases, "breakdown": {}, "targets": targets.check(cases),
+        "load_average_at_end": (0.2, 0.2, 0.2), "seconds": 1.0,
+    }
+    paths = report.write(results, str(tmp_path))
+    markdown = open(paths["markdown"]).read()
+    assert "*Skipped: PyTorch is not installed*" in markdown
+    assert markdown.count("*Failed:*") == len(suite.CASES) - 1
+    assert json.load(open(paths["json"]))["cases"]["peer_torch"]["status"] == "skipped"
+    assert open(paths["png"], "rb").read(4) == b"\x89PNG"

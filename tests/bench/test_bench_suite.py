@@ -1,0 +1,50 @@
+"""Smoke test of the whole suite: `python -m tfdp.bench --quick` writes its three files.
+
+Runs as a user would, in a subprocess with a deadline. Asserts that every
+case ran (or was skipped with its reason) and that the files are complete;
+never asserts a speed: these are benchmarks, and CI machines are shared.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tfdp.bench import suite
+from tfdp.bench import targets
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# --quick takes under 3 minutes on an idle 2-core machine; leave room for a busy one.
+TIMEOUT_SECONDS = 900
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_SECONDS + 60)
+def test_quick_suite_writes_every_case(tmp_path):
+    out_dir = tmp_path / "bench"
+    completed = subprocess.run(
+        [sys.executable, "-m", "tfdp.bench", "--quick", "--out_dir", str(out_dir),
+         "--timeout_scale", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_SECONDS,
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    for name in ("results.json", "results.md", "results.png"):
+        assert (out_dir / name).stat().st_size > 0, name
+    assert (out_dir / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    results = json.loads((out_dir / "results.json").read_text())
+    assert set(results["cases"]) == set(suite.CASES)
+    for name, case in results["cases"].items():
+        assert case["status"] in ("ok", "skipped"), (name, case)
+        if case["status"] == "skipped":
+            assert case["reason"], name
+    assert [t["name"] for t in results["targets"]] == [t.name for t in targets.TARGETS]
+    assert results["machine"]["cores"] >= 1 and results["machine"]["tensorflow"]
+
+    markdown = (out_dir / "results.md").read_text()
+    for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",
+                    "## 4. Gradient accumulation", "## 5. All-reduce", "## 6. Input pipeline"):
+        assert heading in markdown
+    assert results["machine"]["cpu"] in markdown

@@ -1,0 +1,78 @@
+"""`python -m tfdp.bench` (or `tfdp-bench`): the performance suite, side by side.
+
+Reads flags, builds a `SuiteConfig`, runs `tfdp.bench.suite.run_suite` and
+writes `results.json`, `results.md` and `results.png` into `--out_dir`.
+Exits 1 when a case failed (its error is in the files), 0 otherwise; a
+skipped case (PyTorch not installed) is not a failure.
+
+    python -m tfdp.bench                       # full suite, ~15 min on 2 cores
+    python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, < 3 min
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app
+from absl import flags
+
+_OUT_DIR = flags.DEFINE_string("out_dir", "bench_results", "Where the three result files go.")
+_QUICK = flags.DEFINE_boolean("quick", False, "Every case with a few steps (smoke test).")
+_THREADS = flags.DEFINE_integer(
+    "threads", 1, "TensorFlow intra- and inter-op threads (torch threads) per worker.",
+    lower_bound=1)
+_STEPS = flags.DEFINE_integer(
+    "steps", None, "Optimizer steps per timed call (multiple of --steps_per_execution). "
+    "Defaults to 100 (20 with --quick).", lower_bound=1)
+_STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    "steps_per_execution", 10, "N: steps_per_execution / steps_per_loop.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer(
+    "repeats", None, "Timed calls per path per launch. Defaults to 3 (1 with --quick).",
+    lower_bound=1)
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", None, "Launches per worker count, alternating. Defaults to 2 (1 with --quick).",
+    lower_bound=1)
+_LINK = flags.DEFINE_float(
+    "link_gbytes_per_second", None,
+    "Link bandwidth B for the ring bound, GB/s. Defaults to the largest message's bus bandwidth.")
+_TIMEOUT_SCALE = flags.DEFINE_float(
+    "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines).")
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    from tfdp.bench import report
+    from tfdp.bench import suite
+
+    overrides = {
+        "threads": _THREADS.value,
+        "steps_per_execution": _STEPS_PER_EXECUTION.value,
+        "link_gbytes_per_second": _LINK.value,
+        "timeout_scale": _TIMEOUT_SCALE.value,
+    }
+    for name, flag in (("steps", _STEPS), ("repeats", _REPEATS), ("rounds", _ROUNDS)):
+        if flag.value is not None:
+            overrides[name] = flag.value
+    try:
+        config = (suite.SuiteConfig.quick_config(**overrides) if _QUICK.value
+                  else suite.SuiteConfig(**overrides))
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
+    results = suite.run_suite(config)
+    paths = report.write(results, _OUT_DIR.value)
+    print(report.markdown(results))
+    print(f"[tfdp.bench] wrote {', '.join(paths.values())}")
+    failed = [name for name, case in results["cases"].items() if case["status"] == "error"]
+    if failed:
+        print(f"[tfdp.bench] failed cases: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run() -> None:
+    """Console-script entry point (`tfdp-bench`)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,175 @@
+"""Case 3: the same CNN trained with PyTorch DistributedDataParallel, on CPU.
+
+This module owns the peer measurement: PyTorch DDP over gloo
+(`torch.distributed` with `init_method="tcp://127.0.0.1:PORT"`), one process
+per worker started by the same launcher as tfdp's workers (ranks from
+`TFDP_RANK` / `TFDP_WORLD_SIZE`), each with `torch.set_num_threads(threads)`
+and one inter-op thread. The network is built from
+`tfdp.bench.workloads.CNN_LAYERS` (same layers, shapes, padding and strides
+as the Keras model), trained with SGD (momentum 0.9) and cross-entropy on
+logits, on in-memory random batches of the same per-replica size, timed in
+`repeats` rounds of `steps` steps after a warm-up round. When PyTorch is not
+installed the case is skipped with the reason (`pip install -e ".[bench]"`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import time
+
+from tfdp.bench import procs
+
+_DEFAULTS = {"per_replica_batch": 64, "steps": 100, "repeats": 3, "threads": 1}
+
+
+def torch_missing_reason() -> str | None:
+    """Why the case cannot run here, or None when PyTorch is importable."""
+    if importlib.util.find_spec("torch") is None:
+        return ('PyTorch is not installed; install the benchmark extra '
+                '(pip install -e ".[bench]") to compare with PyTorch DDP.')
+    return None
+
+
+def build_torch_cnn():
+    """The benchmark CNN (`workloads.CNN_LAYERS`) as a `torch.nn.Sequential` (NCHW)."""
+    from torch import nn
+
+    from tfdp.bench import workloads
+
+    layers, channels = [], workloads.IMAGE_SHAPE[2]
+    for layer in workloads.CNN_LAYERS:
+        # padding=1 with a 3x3 kernel: Keras' "same" output size at stride 1 and 2.
+        layers += [nn.Conv2d(channels, layer.filters, 3, stride=layer.stride, padding=1),
+                   nn.ReLU()]
+        channels = layer.filters
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, workloads.NUM_CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def measure(spec: dict) -> dict:
+    """Times DDP training on this launch's workers (a `tfdp.bench.worker` job).
+
+    Args:
+        spec: `port` (the rendezvous port), and optionally `per_replica_batch`
+            (64), `steps` (100), `repeats` (3), `threads` (1).
+
+    Returns:
+        `{"world_size", "global_batch", "images_per_second" (best),
+        "median_images_per_second", "step_ms", "samples", "parameters"}`.
+    """
+    spec = {**_DEFAULTS, **spec}
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tfdp.bench import workloads
+
+    torch.set_num_threads(spec["threads"])
+    torch.set_num_interop_threads(1)
+    rank = int(os.environ.get("TFDP_RANK", "0"))
+    world = int(os.environ.get("TFDP_WORLD_SIZE", "1"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}",
+                            rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(build_torch_cnn())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        batch = spec["per_replica_batch"]
+        height, width, channels = workloads.IMAGE_SHAPE
+        generator = torch.Generator().manual_seed(rank)
+        data = [(torch.randn(batch, channels, height, width, generator=generator),
+                 torch.randint(0, workloads.NUM_CLASSES, (batch,), generator=generator))
+                for _ in range(4)]
+
+        def run(steps):
+            for step in range(steps):
+                x, y = data[step % len(data)]
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+
+        run(spec["steps"])  # warm-up
+        samples = []
+        for _ in range(spec["repeats"]):
+            dist.barrier()
+            start = time.perf_counter()
+            run(spec["steps"])
+            samples.append(spec["steps"] * batch * world / (time.perf_counter() - start))
+        parameters = sum(p.numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    return {
+        "world_size": world,
+        "per_replica_batch": batch,
+        "global_batch": batch * world,
+        "parameters": parameters,
+        "torch_version": torch.__version__,
+        "images_per_second": max(samples),
+        "median_images_per_second": statistics.median(samples),
+        "step_ms": 1000.0 * batch * world / statistics.median(samples),
+        "samples": samples,
+    }
+
+
+def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeats: int = 3,
+        threads: int = 1, timeout: float = 300.0) -> dict:
+    """Runs the peer case: one DDP launch per worker count, or a skip record.
+
+    Args:
+        workers: worker counts to measure.
+        per_replica_batch: examples per process per step.
+        steps: steps per timed round.
+        repeats: timed rounds.
+        threads: `torch.set_num_threads` per process.
+        timeout: seconds per launch.
+
+    Returns:
+        `{"status": "ok", "workers": {n: measurement}}`, or
+        `{"status": "skipped", "reason": ...}` without PyTorch.
+
+    Raises:
+        procs.JobFailed: a launch failed.
+    """
+    reason = torch_missing_reason()
+    if reason is not None:
+        return {"status": "skipped", "reason": reason}
+    results = {}
+    for n in workers:
+        spec = {"per_replica_batch": per_replica_batch, "steps": steps, "repeats": repeats,
+                "threads": threads, "port": procs.free_port()}
+        results[str(n)] = procs.run_job("torch_ddp", spec, nproc=n, timeout=timeout)
+    return {"status": "ok", "framework": "PyTorch DDP, gloo, CPU", "workers": results}
+
+
+def compare(peer: dict, runs: dict | None, *, paths=("tfdp_fit", "trainer")) -> dict:
+    """Adds tfdp's throughput over PyTorch DDP's, per worker count, to `peer`.
+
+    Args:
+        peer: `run`'s result.
+        runs: `tfdp.bench.throughput.run`'s result (same CNN, batch and
+            threads), or None.
+        paths: tfdp paths to compare.
+
+    Returns:
+        `peer` plus `"torch_efficiency"` (DDP's scaling efficiency) and
+        `"tfdp_over_torch": {n: {path: ratio}}`.
+    """
+    if peer.get("status") != "ok":
+        return peer
+    workers = peer["workers"]
+    result = dict(peer)
+    if "1" in workers:
+        base = workers["1"]["images_per_second"]
+        result["torch_efficiency"] = {
+            n: row["images_per_second"] / (int(n) * base) for n, row in workers.items()
+        }
+    if runs:
+        result["tfdp_over_torch"] = {
+            n: {path: runs[n]["paths"][path]["images_per_second"] / row["images_per_second"]
+                for path in paths if n in runs and path in runs[n]["paths"]}
+            for n, row in workers.items()
+        }
+    return result

@@ -1,0 +1,91 @@
+"""The issue's performance targets, checked against the measured numbers.
+
+This module owns the list of targets and nothing else: each is a ratio read
+from the case results, a threshold, and whether it was met (None when the
+case did not run). Benchmarks report targets; tests never assert them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One target: `read(cases)` compared with `threshold`.
+
+    Attributes:
+        name: short identifier.
+        description: what is measured, for the report.
+        threshold: the bound.
+        at_least: True for "value >= threshold", False for "value <= threshold".
+        read: maps the cases dictionary to the value (may raise KeyError).
+    """
+
+    name: str
+    description: str
+    threshold: float
+    at_least: bool
+    read: Callable[[dict], float]
+
+
+def _path(cases, n, path):
+    return next(r for r in cases["overhead"]["workers"][n]["rows"] if r["path"] == path)
+
+
+def _efficiency(cases, path):
+    return next(r for r in cases["scaling"]["rows"] if r["path"] == path)["efficiency"]["2"]
+
+
+def _accumulation(cases, k):
+    return next(r for r in cases["accumulation"]["rows"] if r["accum_steps"] == k)
+
+
+TARGETS = (
+    Target("fit_vs_trainer_1_worker",
+           "tfdp fit ÷ tfdp Trainer images/s, 1 worker (within 5%)", 0.95, True,
+           lambda c: _path(c, "1", "tfdp_fit")["vs_trainer"]),
+    Target("fit_vs_trainer_2_workers",
+           "tfdp fit ÷ tfdp Trainer images/s, 2 workers (within 5%)", 0.95, True,
+           lambda c: _path(c, "2", "tfdp_fit")["vs_trainer"]),
+    Target("scaling_efficiency_fit", "scaling efficiency at 2 workers, tfdp fit", 0.90, True,
+           lambda c: _efficiency(c, "tfdp_fit")),
+    Target("scaling_efficiency_trainer", "scaling efficiency at 2 workers, tfdp Trainer",
+           0.90, True, lambda c: _efficiency(c, "trainer")),
+    Target("fit_over_torch_ddp_2_workers", "tfdp fit ÷ PyTorch DDP images/s, 2 workers",
+           1.4, True, lambda c: c["peer_torch"]["tfdp_over_torch"]["2"]["tfdp_fit"]),
+    Target("trainer_over_torch_ddp_2_workers",
+           "tfdp Trainer ÷ PyTorch DDP images/s, 2 workers", 1.4, True,
+           lambda c: c["peer_torch"]["tfdp_over_torch"]["2"]["trainer"]),
+    Target("accumulation_speedup_k8",
+           "k=8: all-reduce every micro-batch ÷ accumulate, time per global batch", 4.0, True,
+           lambda c: _accumulation(c, 8)["speedup"]),
+    Target("accumulation_peak_memory_k8",
+           "k=8 ÷ k=1 (one micro-batch) peak TensorFlow CPU memory", 1.2, False,
+           lambda c: _accumulation(c, 8)["tf_peak_ratio"]),
+    Target("accumulation_peak_rss_k8",
+           "k=8 ÷ k=1 (one micro-batch) peak resident set (VmHWM)", 1.2, False,
+           lambda c: _accumulation(c, 8)["peak_rss_ratio"]),
+)
+
+
+def check(cases: dict) -> list[dict]:
+    """Every target's value and verdict (`met` is None when it could not be read)."""
+    rows = []
+    for target in TARGETS:
+        try:
+            value = float(target.read(cases))
+        except (KeyError, StopIteration, TypeError):
+            value = None
+        met = None if value is None else (
+            value >= target.threshold if target.at_least else value <= target.threshold
+        )
+        rows.append({
+            "name": target.name,
+            "description": target.description,
+            "threshold": f"{'≥' if target.at_least else '≤'} {target.threshold:g}",
+            "value": value,
+            "met": met,
+        })
+    return rows
