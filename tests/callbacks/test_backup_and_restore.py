@@ -289,6 +289,16 @@ def test_wrap_refuses_inputs_it_cannot_position(tmp_path):
     assert backup.wrap(unknown, steps_per_epoch=3).num_batches == 3
 
 
+def test_an_epoch_with_fewer_batches_is_refused(tmp_path):
+    model = _model(_strategy(1))
+    backup = BackupAndRestore(tmp_path / "backup")
+    shrinking = lambda epoch: bt.dataset_for_epoch(epoch).take(6 - epoch)  # noqa: E731
+    with pytest.raises(ValueError, match=r"same number of batches \(6\).*"
+                                         r"dataset_fn\(1\) has 5"):
+        model.fit(backup.wrap(shrinking), epochs=2, callbacks=[backup], verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == bt.STEPS_PER_EPOCH
+
+
 def test_fit_steps_per_epoch_is_refused_with_the_wrapped_input(tmp_path):
     model = _model(_strategy(1))
     backup = BackupAndRestore(tmp_path / "backup")

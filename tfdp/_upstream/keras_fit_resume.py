@@ -114,6 +114,14 @@ class EpochInput(_data_adapter.DataAdapter):
                 f"`dataset_fn` must return a tf.data.Dataset of global batches. "
                 f"Received: dataset_fn({epoch}) -> {type(dataset).__name__}"
             )
+        cardinality = int(dataset.cardinality().numpy())
+        if 0 <= cardinality < self._steps_per_epoch:
+            raise ValueError(
+                f"Every epoch must have the same number of batches ({self._steps_per_epoch}) "
+                f"for its position to be restorable. Received: dataset_fn({epoch}) has "
+                f"{cardinality}. Keep the data and global batch the same in every epoch "
+                f"(batch with drop_remainder=True)."
+            )
         dataset = dataset.take(self._steps_per_epoch)
         return dataset.skip(skip) if skip else dataset
 

@@ -81,11 +81,6 @@ class PreemptionWatcher:
         self._installed = False
         self._sigterm = threading.Event()
 
-    @property
-    def active(self) -> bool:
-        """Whether SIGTERM is being watched."""
-        return self._installed
-
     def start(self) -> None:
         """Installs the SIGTERM handling (from the main thread only)."""
         if threading.current_thread() is not threading.main_thread():
@@ -121,6 +116,7 @@ class PreemptionWatcher:
         self._sigterm.set()
 
     def _exit(self):
+        self._sigterm.clear()  # handled
         self.stop()
         logging.warning(
             "tfdp BackupAndRestore: saved after SIGTERM; exiting with code %d.", self._exit_code
@@ -148,6 +144,11 @@ class PreemptionWatcher:
         if not self._installed:
             return
         self._installed = False
+        if self._sigterm.is_set():
+            logging.warning(
+                "tfdp BackupAndRestore: SIGTERM arrived after the last training step; "
+                "training completed, so nothing was saved for it."
+            )
         # A handler TensorFlow installed in C++ reads back as None; SIG_DFL is
         # then the closest to "not ours".
         signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
