@@ -42,12 +42,18 @@ dimension is static too when `drop_remainder`).
 
 Order within a pipeline: read (its files, or every n-th example) -> cache ->
 shuffle (seeded, reshuffled every epoch) -> take whole steps -> parallel
-preprocess -> batch -> empty batches up to the step count -> prefetch. With a
-MirroredStrategy each replica gets its own pipeline
-(`InputReplicationMode.PER_REPLICA`): the dataset's cardinality then equals
-its step count, which Keras takes as the number of steps per epoch (with one
-pipeline per worker it would report replicas x steps, and `fit` with
-`steps_per_epoch` would run every other epoch on an exhausted iterator).
+preprocess -> batch -> empty batches up to the step count -> prefetch (on the
+host; which strategies then copy batches to the devices ahead of the step is
+noted in `pipelines.pipeline`).
+
+Steps per epoch: the returned dataset's `cardinality` is `steps_per_epoch`,
+the number of global batches, in every configuration; Keras takes it as the
+steps per epoch (progress bar, end of epoch). With a MirroredStrategy each
+replica gets its own pipeline (`InputReplicationMode.PER_REPLICA`). A
+MultiWorkerMirroredStrategy worker with several GPUs has one pipeline feeding
+all of them, for which `tf.distribute` reports replicas x steps;
+`pipelines._upstream.set_global_steps` corrects that (otherwise the progress
+bar is wrong and every epoch ends with "Your input ran out of data").
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from typing import Callable
 import tensorflow as tf
 
 import tfdp
+from pipelines import _upstream
 from pipelines import pipeline as pipeline_lib
 from pipelines import sharding
 from pipelines import sources as sources_lib
@@ -131,7 +138,8 @@ def make_dataset(
     Returns:
         A `tf.distribute.DistributedDataset` (a `tf.data.Dataset` under the
         default strategy) with attributes `pipeline_info` (a `pipelines.PipelineInfo`),
-        `steps_per_epoch` and `num_examples`.
+        `steps_per_epoch` and `num_examples`. Its `cardinality` is
+        `steps_per_epoch` (infinite for an endless source).
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -198,14 +206,14 @@ def make_dataset(
     )
     options = None
     if isinstance(strategy, tf.distribute.MirroredStrategy):
-        # One pipeline per replica: the dataset's cardinality then equals its
-        # step count, which Keras's EpochIterator takes as steps per epoch
-        # (per-worker pipelines report replicas x steps).
+        # One pipeline per replica: each reads and preprocesses in parallel
+        # with the others, and the cardinality is right without correction.
         options = tf.distribute.InputOptions(
             experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA
         )
     dataset = strategy.distribute_datasets_from_function(pipeline, options)
     info = pipeline.last_info
+    _upstream.set_global_steps(dataset, info.steps_per_epoch)
     dataset.pipeline_info = info
     dataset.steps_per_epoch = info.steps_per_epoch
     dataset.num_examples = info.num_examples

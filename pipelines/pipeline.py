@@ -381,6 +381,19 @@ class InputPipeline:
             # Turns a miscount (a source whose metadata lies) into an error at
             # the end of the epoch instead of a hang in a collective.
             dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps * replicas_fed))
+        # Prefetch on the host. Under MirroredStrategy, OneDeviceStrategy and
+        # MultiWorkerMirroredStrategy, tf.distribute's iterator then copies
+        # each replica's batch to its device ahead of the step (a
+        # MultiDeviceIterator whenever InputOptions.experimental_fetch_to_device,
+        # True by default: `_should_use_multi_device_iterator` in
+        # tensorflow/python/distribute/input_lib.py). Under the default
+        # strategy on a GPU nothing does, but tf.data.experimental.
+        # prefetch_to_device does not fit model.fit: it must be the last
+        # transformation and makes the cardinality unknown, so Keras no longer
+        # knows the steps per epoch and warns "Your input ran out of data"
+        # every epoch (tests/pipelines/test_upstream.py). For one GPU, use
+        # tf.distribute.OneDeviceStrategy("/gpu:0") (tfdp.make_strategy(
+        # "one_device")) to get the device prefetch.
         dataset = dataset.prefetch(tf.data.AUTOTUNE)
         options = tf.data.Options()
         # This function shards; tf.distribute must not shard again.

@@ -12,7 +12,15 @@ import pipelines
 from pipeline_testing import collect, get_strategy, id_dataset, real_ids
 from pipelines import pipeline as pipeline_lib
 
-STRATEGY_NAMES = ["default", "one_device", "mirrored2", "mirrored4"]
+# "multiworker_local2": one input pipeline feeding two replicas, as on a
+# MultiWorkerMirroredStrategy worker with two GPUs.
+STRATEGY_NAMES = ["default", "one_device", "mirrored2", "mirrored4", "multiworker_local2"]
+
+
+def _cardinality(dataset) -> int:
+    """What Keras takes as the steps per epoch (`TFDatasetAdapter.num_batches`)."""
+    cardinality = dataset.cardinality
+    return int(cardinality() if callable(cardinality) else cardinality)
 
 
 @pytest.mark.parametrize("strategy_name", STRATEGY_NAMES)
@@ -27,7 +35,7 @@ def test_one_epoch_visits_every_example_exactly_once(strategy_name, training):
     info = dataset.pipeline_info
     steps = collect(dataset, strategy)
 
-    assert len(steps) == info.steps_per_epoch == dataset.steps_per_epoch
+    assert len(steps) == info.steps_per_epoch == dataset.steps_per_epoch == _cardinality(dataset)
     per_replica = global_batch // strategy.num_replicas_in_sync
     sizes = [[len(parts[0]) for parts in step] for step in steps]
     assert all(len(step) == strategy.num_replicas_in_sync for step in sizes)
@@ -341,7 +349,7 @@ def _features_dataset(num_examples, num_features=3, num_classes=4):
     return x, y, tf.data.Dataset.from_tensor_slices((x, y))
 
 
-@pytest.mark.parametrize("strategy_name", ["mirrored2", "mirrored4"])
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "mirrored4", "multiworker_local2"])
 def test_evaluation_metrics_equal_single_device_metrics_exactly(strategy_name):
     num_examples = 37
     x, y, source = _features_dataset(num_examples)
@@ -376,10 +384,17 @@ def test_evaluation_metrics_equal_single_device_metrics_exactly(strategy_name):
     assert results["loss"] == pytest.approx(expected_crossentropy, rel=1e-6)
 
 
-def test_fit_runs_every_step_of_every_epoch_under_mirrored_strategy():
-    strategy = get_strategy("mirrored2")
+@pytest.mark.parametrize(
+    "strategy_name", ["mirrored2", "multiworker_local2"],
+    ids=["pipeline-per-replica", "one-pipeline-two-replicas"],
+)
+def test_fit_runs_every_step_of_every_epoch(strategy_name):
+    strategy = get_strategy(strategy_name)
     _, _, source = _features_dataset(40)
     dataset = pipelines.make_dataset(source, strategy=strategy, global_batch=8, seed=0)
+    assert dataset.pipeline_info.num_input_pipelines == (
+        1 if strategy_name == "multiworker_local2" else 2
+    )
     with strategy.scope():
         model = _classifier()
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -392,7 +407,7 @@ def test_fit_runs_every_step_of_every_epoch_under_mirrored_strategy():
             self.steps += 1
 
         def on_epoch_end(self, epoch, logs=None):
-            counts.append(self.steps)
+            counts.append((self.params["steps"], self.steps))  # Progress bar's total, run.
 
     for steps_per_epoch in (None, dataset.steps_per_epoch):
         counts = []
@@ -402,5 +417,76 @@ def test_fit_runs_every_step_of_every_epoch_under_mirrored_strategy():
                 dataset, epochs=3, steps_per_epoch=steps_per_epoch,
                 callbacks=[CountSteps()], verbose=0,
             )
-        assert counts == [5, 5, 5]
+        assert counts == [(5, 5)] * 3
         assert not [w for w in caught if "ran out of data" in str(w.message)]
+
+
+def _dataset_ops(dataset: tf.data.Dataset) -> list[tuple[str, list]]:
+    """The dataset's chain of transformations, last first, as TensorFlow runs it.
+
+    Follows each op's input dataset from the output back to the source (side
+    inputs such as the seed dataset of a random `preprocess` are skipped).
+
+    Returns:
+        `[(op, inputs), ...]`: each input's value if it is a numeric constant,
+        else `None`.
+    """
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(
+        tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor).numpy()
+    )
+    nodes = {node.name: node for node in graph.node}
+
+    def node_of(name):
+        return nodes[name.split(":")[0]]
+
+    def constant(name):
+        node = node_of(name)
+        if node.op != "Const" or not tf.as_dtype(node.attr["dtype"].type).is_numpy_compatible:
+            return None
+        return tf.make_ndarray(node.attr["value"].tensor)
+
+    chain = []
+    node = node_of(next(n for n in graph.node if n.op == "_Retval").input[0])
+    while node.op.endswith(("Dataset", "DatasetV2", "DatasetV3")):
+        inputs = [name for name in node.input if not name.startswith("^")]
+        chain.append((node.op, [constant(name) for name in inputs]))
+        if not inputs:
+            break
+        node = node_of(inputs[0])
+    return chain
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("where", ["default-strategy", "worker-of-2-with-2-replicas"])
+def test_pipeline_maps_and_batches_in_parallel_and_prefetches_last(where, training):
+    arguments = dict(
+        source=pipelines.SyntheticImages(num_examples=64, image_shape=(8, 8, 3)),
+        global_batch=8, training=training, seed=0,
+        preprocess=pipelines.for_images(training=training, augment=training),
+    )
+    if where == "default-strategy":
+        dataset = pipelines.make_dataset(strategy=get_strategy("default"), **arguments)
+    else:
+        pipeline = pipeline_lib.InputPipeline(
+            source=arguments.pop("source"), split="train", accum_steps=1, shuffle=True,
+            shard_policy="auto", drop_remainder=training, cache=False, **arguments,
+        )
+        dataset = pipeline(tf.distribute.InputContext(2, 1, 4))
+    ops = _dataset_ops(dataset)
+    names = [op for op, _ in ops]
+    autotune = tf.data.AUTOTUNE
+    # Last transformation: prefetch, with an autotuned buffer (OptionsDataset
+    # only carries the tf.data options).
+    assert names[:2] == ["OptionsDataset", "PrefetchDataset"], names
+    assert ops[1][1][1] == autotune
+    # A parallel, autotuned batch before it, and a parallel autotuned map
+    # (the preprocessing) before that: ParallelBatchDataset(input, batch_size,
+    # num_parallel_calls, drop_remainder), ParallelMapDatasetV2(input,
+    # captured..., num_parallel_calls).
+    batch = names.index("ParallelBatchDataset")
+    assert ops[batch][1][2] == autotune
+    assert "ParallelMapDatasetV2" in names[batch + 1:], names
+    parallel_map = names.index("ParallelMapDatasetV2")
+    assert ops[parallel_map][1][-1] == autotune
+    assert "MapDataset" not in names[:parallel_map] and "BatchDatasetV2" not in names
