@@ -16,8 +16,9 @@ Contract (what every input pipeline guarantees):
   k micro-batches; here we only check divisibility by replicas x k.
 - One epoch visits every example exactly once across all workers and
   replicas. Training with `drop_remainder` (the training default) drops only
-  what does not fill the last global batch (counted and logged); every batch
-  is full, so shapes are static.
+  what does not fill the last global batch (counted, and logged as a
+  warning); every batch is full, so shapes are static. Evaluation never
+  drops (`drop_remainder=True` with `training=False` is an error).
 - Without `drop_remainder` (the evaluation default) nothing is dropped and
   nothing is added: a pipeline's last batch is partial, and a pipeline that
   runs out before the others yields *empty* batches (0 examples) until every
@@ -127,9 +128,11 @@ def make_dataset(
             `~/tensorflow_datasets` (generated there on first use).
         shard_policy: `"auto"` (default), `"file"`, `"data"` or `"off"`; see
             `pipelines.sharding`.
-        drop_remainder: drop the final partial global batch. Defaults to
-            `training`. When False, the last batches of an epoch are partial
-            or empty (see the module docstring).
+        drop_remainder: drop the final partial global batch (training only:
+            evaluation never drops). Defaults to `training`. When False, the
+            last batches of an epoch are partial or empty (see the module
+            docstring). When examples are dropped, their count is logged as a
+            warning.
         cache: cache source examples after the first epoch: `True` in memory,
             or a file path prefix. Defaults to False.
         preprocess: callable `(features, label) -> (features, label)` applied
@@ -147,7 +150,8 @@ def make_dataset(
             prepared, `global_batch` not divisible by replicas x
             `accum_steps`, a training split smaller than one global batch,
             examples that are not `(features, label)` tuples of statically
-            shaped tensors, or an invalid `shard_policy`.
+            shaped tensors, an invalid `shard_policy`, or `drop_remainder=True`
+            with `training=False`.
 
     Example:
 
@@ -169,6 +173,15 @@ def make_dataset(
     _check_bool("shuffle", shuffle)
     if drop_remainder is not None:
         _check_bool("drop_remainder", drop_remainder)
+    if drop_remainder and not training:
+        raise ValueError(
+            "Evaluation never drops examples, but `drop_remainder=True` was passed "
+            "with `training=False`: the final partial global batch would be left out "
+            "of the metrics. Remove `drop_remainder` (evaluation keeps partial and "
+            "empty batches, so its metrics equal single-device ones), or pass "
+            "`training=True` if this dataset is for training. Received: "
+            "training=False, drop_remainder=True"
+        )
     if seed is not None:
         _check_int("seed", seed, minimum=0)
     if shard_policy not in sharding.POLICIES:

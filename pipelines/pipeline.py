@@ -334,8 +334,18 @@ class InputPipeline:
         num_replicas = input_context.num_replicas_in_sync
         plan, info = self.plan(num_pipelines, num_replicas)
         self.last_info = info
-        if index == 0:
+        if index == 0:  # Once per dataset build, on the first worker only.
             logging.info("pipelines: %s", info.describe())
+            if info.dropped_per_epoch:
+                logging.warning(
+                    "pipelines: %s/%s: drop_remainder drops %d of %d examples every "
+                    "epoch (they do not fill a last global batch of %d across %d "
+                    "input pipeline(s)). Pass drop_remainder=False to train on them "
+                    "in partial batches, or pick a global batch that divides the "
+                    "split.",
+                    info.source, info.split, info.dropped_per_epoch, info.num_examples,
+                    info.global_batch, info.num_input_pipelines,
+                )
         per_replica = input_context.get_per_replica_batch_size(self.global_batch)
         replicas_fed = num_replicas // num_pipelines
         examples_per_step = per_replica * replicas_fed

@@ -1,6 +1,7 @@
 """Tests for `pipelines.core` and `pipelines.pipeline`: exactly once, equal steps."""
 
 import collections
+import logging
 import warnings
 
 import keras
@@ -228,6 +229,11 @@ def test_preprocess_must_keep_the_features_label_structure():
         (dict(split=0), TypeError, r"`split` must be a string"),
         (dict(split="test"), ValueError, r"`split` selects a split of a named source"),
         (dict(data_dir="/tmp"), ValueError, r"`data_dir` only applies to named sources"),
+        (
+            dict(training=False, drop_remainder=True), ValueError,
+            r"Evaluation never drops examples.*Remove `drop_remainder`.*"
+            r"Received: training=False, drop_remainder=True",
+        ),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, error, match):
@@ -419,6 +425,23 @@ def test_fit_runs_every_step_of_every_epoch(strategy_name):
             )
         assert counts == [(5, 5)] * 3
         assert not [w for w in caught if "ran out of data" in str(w.message)]
+
+
+def test_dropped_examples_are_a_warning_logged_once_per_dataset(caplog):
+    strategy = get_strategy("mirrored2")  # Two input pipelines, one log.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        pipelines.make_dataset(id_dataset(37), strategy=strategy, global_batch=8, seed=0)
+    records = [r for r in caplog.records if r.getMessage().startswith("pipelines: ")]
+    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING]
+    assert "37 examples, global batch 8" in records[0].getMessage()
+    assert "drop_remainder drops 5 of 37 examples every epoch" in records[1].getMessage()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        pipelines.make_dataset(id_dataset(40), strategy=strategy, global_batch=8, seed=0)
+        pipelines.make_dataset(id_dataset(37), strategy=strategy, global_batch=8, training=False)
+    records = [r for r in caplog.records if r.getMessage().startswith("pipelines: ")]
+    assert [r.levelno for r in records] == [logging.INFO, logging.INFO]  # Nothing dropped.
 
 
 def _dataset_ops(dataset: tf.data.Dataset) -> list[tuple[str, list]]:
