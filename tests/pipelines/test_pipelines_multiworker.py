@@ -7,13 +7,18 @@ would wait in it, and its peer would find data left after its last step.
 Each worker writes the ids or example hashes it saw; the test unions the
 files: every example exactly once per epoch, the same step count on both
 workers. Both workers also prepare the digits dataset into the same fresh
-directory at once.
+directory at once. Last, in the same launch, both run Keras' `evaluate` on an
+evaluation set whose final step has a partial batch on one worker and an
+empty one on the other; its loss and accuracy must equal the single-device
+values.
 """
 
 import collections
 import hashlib
 import json
 
+import keras
+import numpy as np
 import pytest
 
 import pipelines
@@ -25,6 +30,8 @@ import json
 import os
 import sys
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 import pipelines
@@ -88,6 +95,26 @@ for name, kwargs in cases.items():
         num_input_pipelines=info.num_input_pipelines,
     )
 
+# Keras evaluate: the test's model and data, 37 examples in global batches of 4.
+data = np.load(os.path.join(out_dir, "classifier.npz"))
+with strategy.scope():
+    inputs = keras.Input(data["x"].shape[1:])
+    model = keras.Model(inputs, keras.layers.Dense(data["bias"].shape[0], activation="softmax")(inputs))
+    model.set_weights([data["kernel"], data["bias"]])
+    model.compile(loss="sparse_categorical_crossentropy",
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+evaluation = pipelines.make_dataset(
+    tf.data.Dataset.from_tensor_slices((data["x"], data["y"])), strategy=strategy,
+    global_batch=4, training=False,
+)
+metrics = model.evaluate(evaluation, return_dict=True, verbose=0)
+info = evaluation.pipeline_info
+results["keras_evaluate"] = dict(
+    loss=float(metrics["loss"]), accuracy=float(metrics["accuracy"]),
+    steps_per_epoch=info.steps_per_epoch, sizes=list(info.pipeline_sizes),
+    partial=info.partial_batches_per_epoch,
+)
+
 path = os.path.join(out_dir, f"worker{rank}.json")
 with open(path + ".tmp", "w") as f:
     json.dump(results, f)
@@ -96,9 +123,29 @@ print("done", rank)
 '''
 
 
+def _classifier_and_reference(path):
+    """Writes a tiny classifier's weights and 37 examples to `path`.
+
+    Returns:
+        The single-device `(loss, accuracy)` on those examples, in float64.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 3)).astype("float32")
+    y = rng.integers(0, 4, size=37)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(inputs))
+    kernel, bias = model.get_weights()
+    np.savez(path, x=x, y=y, kernel=kernel, bias=bias)
+    probabilities = model.predict(x, verbose=0).astype("float64")
+    loss = np.mean(-np.log(probabilities[np.arange(len(y)), y]))
+    accuracy = np.mean(np.argmax(probabilities, axis=1) == y)
+    return loss, accuracy
+
+
 @pytest.mark.slow
 def test_two_workers_see_every_example_once_in_equal_steps(tmp_path):
     digits_dir = tmp_path / "tfds"  # Does not exist yet: both workers create it.
+    expected_loss, expected_accuracy = _classifier_and_reference(tmp_path / "classifier.npz")
     result = run_worker_script(
         tmp_path, WORKER, nproc=2, timeout=240, check=True,
         script_args=[str(tmp_path), str(digits_dir)],
@@ -143,3 +190,13 @@ def test_two_workers_see_every_example_once_in_equal_steps(tmp_path):
         else:
             assert not seen - everything  # Nothing seen more often than it exists.
             assert sum(everything.values()) - sum(seen.values()) == workers[0][name]["dropped"] < 64
+
+    # Keras evaluate over 2 workers equals one device: 37 examples split 19/18,
+    # 2 per replica: worker 0 ends with a 1-example batch, worker 1 with an
+    # empty one, and nothing is dropped or padded.
+    for worker in workers:
+        evaluation = worker["keras_evaluate"]
+        assert evaluation["sizes"] == [19, 18] and evaluation["steps_per_epoch"] == 10
+        assert evaluation["partial"] == 2
+        assert evaluation["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
+        assert evaluation["loss"] == pytest.approx(expected_loss, abs=1e-6)
