@@ -5,6 +5,9 @@ a `make_dataset` pipeline produces (`PipelineInfo.element_spec`,
 `num_classes`) with a built Keras model's inputs and output, and raises an
 error that names both shapes and the fix, instead of a shape error from deep
 inside the first traced training step (possibly on one worker only).
+Nothing calls it automatically (`tfdp` never imports `pipelines`): a program
+(such as the `tfdp-train` entry point) calls it once per dataset, after
+`make_dataset` and building the model, before the first step.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ def _compatible(spec_shape: tf.TensorShape, model_shape) -> bool:
 def check_model_compatible(dataset_or_info, model) -> None:
     """Raises if the dataset's examples do not fit `model`'s inputs/outputs.
 
+    When to call it: once per dataset, after `make_dataset` returned it and
+    the model is built (a functional or `Sequential` model with a
+    `keras.Input` is built on construction), and before the first `fit`,
+    `evaluate`, `predict` or `tfdp.Trainer` step; call it on every worker.
+    It reads only the pipeline's metadata and the model's symbolic shapes
+    (no data, no step, no collective), so a mismatch stops every worker
+    before training starts instead of failing one worker inside a traced
+    step while the others wait in an all-reduce. Nothing calls it for you.
+
     Checks, when the model is built: one input per feature tensor (matched
     by name for dict features), each with a compatible shape (batch
     dimension excluded); and, for a classification source with a known
@@ -51,6 +63,16 @@ def check_model_compatible(dataset_or_info, model) -> None:
         ValueError: a mismatch; the message names the source's and the
             model's shapes.
         TypeError: `dataset_or_info` did not come from `make_dataset`.
+
+    Example:
+
+    >>> train = pipelines.make_dataset("digits", strategy=strategy,  # doctest: +SKIP
+    ...                                global_batch=64)
+    >>> with strategy.scope():                                       # doctest: +SKIP
+    ...     model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+    ...                               keras.layers.Dense(10)])
+    >>> pipelines.check_model_compatible(train, model)               # doctest: +SKIP
+    >>> model.fit(train)                                             # doctest: +SKIP
     """
     info = _info(dataset_or_info)
     try:

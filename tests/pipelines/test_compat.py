@@ -58,3 +58,19 @@ def test_dict_features_match_inputs_by_name():
 def test_not_a_pipeline_dataset_is_a_type_error():
     with pytest.raises(TypeError, match="returned by pipelines.make_dataset"):
         pipelines.check_model_compatible(tf.data.Dataset.range(3), _model())
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "multiworker_local2"])
+def test_checks_a_distributed_dataset_and_a_model_built_in_scope(strategy_name):
+    # How a training program calls it: after make_dataset and building the
+    # model, before the first step.
+    strategy = get_strategy(strategy_name)
+    source = pipelines.SyntheticImages(num_examples=8, image_shape=(8, 8, 1), num_classes=10)
+    dataset = pipelines.make_dataset(
+        source, strategy=strategy, global_batch=4, preprocess=pipelines.normalize_images()
+    )
+    with strategy.scope():
+        good, bad = _model(), _model(units=5)
+    pipelines.check_model_compatible(dataset, good)
+    with pytest.raises(ValueError, match=r"has 10 classes, but the model's output has 5 unit"):
+        pipelines.check_model_compatible(dataset, bad)
