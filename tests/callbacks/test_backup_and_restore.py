@@ -57,6 +57,9 @@ def _keep_sigterm_handler():
 CONFIGS = {
     "default": dict(replicas=1, accum_steps=1, steps_per_execution=1),
     "mirrored2-accum2-spe2": dict(replicas=2, accum_steps=2, steps_per_execution=2),
+    # What pipelines.make_dataset returns: an already distributed dataset.
+    "mirrored2-distributed": dict(replicas=2, accum_steps=1, steps_per_execution=2,
+                                  distributed=True),
 }
 
 
@@ -107,13 +110,17 @@ def test_resumes_mid_epoch_at_the_exact_step(config, tmp_path):
     want, want_steps = bt.reference_weights(strategy, **kwargs)
     assert want_steps == bt.TOTAL_STEPS
     backup_dir = tmp_path / "backup"
+    dataset_for_epoch = bt.dataset_for_epoch
+    if options.get("distributed"):
+        def dataset_for_epoch(epoch):
+            return strategy.experimental_distribute_dataset(bt.dataset_for_epoch(epoch))
 
     # Run 1: a backup every 4 steps; crash after step 10 (epoch 1, batch 4).
     first = bt.Recorder()
     model = _model(strategy, first, **kwargs)
     backup = BackupAndRestore(backup_dir, save_freq=4)
     with pytest.raises(Interrupted):
-        model.fit(backup.wrap(bt.dataset_for_epoch), epochs=bt.EPOCHS, verbose=0,
+        model.fit(backup.wrap(dataset_for_epoch), epochs=bt.EPOCHS, verbose=0,
                   callbacks=[bt.epoch_callback(first), backup, InterruptAt(10)])
     assert int(model.optimizer.iterations.numpy()) == 10
     saved = _progress(backup_dir)
@@ -124,7 +131,7 @@ def test_resumes_mid_epoch_at_the_exact_step(config, tmp_path):
     second = bt.Recorder()
     model = _model(strategy, second, seed=5, **kwargs)
     backup = BackupAndRestore(backup_dir, save_freq=4)
-    history = model.fit(backup.wrap(bt.dataset_for_epoch), epochs=bt.EPOCHS, verbose=0,
+    history = model.fit(backup.wrap(dataset_for_epoch), epochs=bt.EPOCHS, verbose=0,
                         callbacks=[bt.epoch_callback(second), backup])
 
     assert int(model.optimizer.iterations.numpy()) == bt.TOTAL_STEPS

@@ -79,6 +79,18 @@ def clear_initial_epoch(model: keras.Model) -> None:
     model._initial_epoch = None
 
 
+def cardinality(dataset) -> int:
+    """Batches in `dataset` (-1 infinite, -2 unknown), for either kind of dataset.
+
+    `tf.data.Dataset.cardinality()` is a method returning a tensor; a
+    distributed dataset's `cardinality` is a NumPy integer attribute.
+    """
+    value = dataset.cardinality
+    if callable(value):
+        value = value()
+    return int(value)
+
+
 class EpochInput(_data_adapter.DataAdapter):
     """`fit` input whose every epoch is `dataset_fn(epoch)`, optionally entered mid-way.
 
@@ -106,22 +118,32 @@ class EpochInput(_data_adapter.DataAdapter):
         self._position = position
         self.in_use = False  # set when a `fit` adopts this input
 
-    def dataset(self, epoch: int, skip: int = 0) -> tf.data.Dataset:
-        """The global batches of `epoch` from batch `skip` on."""
+    def dataset(self, epoch: int, skip: int = 0):
+        """The global batches of `epoch` from batch `skip` on.
+
+        A `tf.data.Dataset` is cut to `steps_per_epoch` batches and skips
+        `skip` of them without reading them. A distributed dataset (as
+        `pipelines.make_dataset` returns: each input pipeline already batched
+        per replica) is returned whole; `enumerate_epoch` consumes its first
+        `skip` batches, which reads them but trains nothing.
+        """
         dataset = self._dataset_fn(epoch)
-        if not isinstance(dataset, tf.data.Dataset):
+        if not isinstance(dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)):
             raise TypeError(
-                f"`dataset_fn` must return a tf.data.Dataset of global batches. "
-                f"Received: dataset_fn({epoch}) -> {type(dataset).__name__}"
+                f"`dataset_fn` must return a tf.data.Dataset of global batches or a "
+                f"distributed dataset. Received: dataset_fn({epoch}) -> "
+                f"{type(dataset).__name__}"
             )
-        cardinality = int(dataset.cardinality().numpy())
-        if 0 <= cardinality < self._steps_per_epoch:
+        batches = cardinality(dataset)
+        if 0 <= batches < self._steps_per_epoch:
             raise ValueError(
                 f"Every epoch must have the same number of batches ({self._steps_per_epoch}) "
                 f"for its position to be restorable. Received: dataset_fn({epoch}) has "
-                f"{cardinality}. Keep the data and global batch the same in every epoch "
+                f"{batches}. Keep the data and global batch the same in every epoch "
                 f"(batch with drop_remainder=True)."
             )
+        if isinstance(dataset, tf.distribute.DistributedDataset):
+            return dataset
         dataset = dataset.take(self._steps_per_epoch)
         return dataset.skip(skip) if skip else dataset
 
@@ -170,11 +192,24 @@ class EpochInput(_data_adapter.DataAdapter):
                 f"steps_per_epoch=...) instead."
             )
         epoch, start = self._position() or (0, 0)
-        strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
-        distributed = iter(strategy.experimental_distribute_dataset(self.dataset(epoch, start)))
+        dataset = self.dataset(epoch, start)
+        if isinstance(dataset, tf.distribute.DistributedDataset):
+            distributed = iter(dataset)
+            if start:
+                _skip_batches(distributed, tf.constant(start))
+        else:
+            strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
+            distributed = iter(strategy.experimental_distribute_dataset(dataset))
         step_size = iterator.steps_per_execution
         for step in range(start, self._steps_per_epoch, step_size):
             yield step, step + step_size - 1, distributed
+
+
+@tf.function
+def _skip_batches(iterator, count):
+    """Consumes `count` batches of a distributed iterator on every worker alike."""
+    for _ in tf.range(count):
+        next(iterator)
 
 
 def _make_enumerate_iterator(original: Callable) -> Callable:

@@ -173,6 +173,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                 whose order depends only on its seeds and `epoch` (reshuffle
                 by seeding with the epoch), or a `tf.data.Dataset` that yields
                 the same batches in the same order every time it is iterated.
+                The callable may also return a distributed dataset (such as
+                `pipelines.make_dataset` builds); a resumed epoch then reads
+                and discards the batches already trained instead of skipping
+                them unread.
             steps_per_epoch: batches per epoch; each epoch's dataset is cut to
                 this many. Defaults to the cardinality of `dataset(0)`, which
                 must then be known and finite (batch with
@@ -188,7 +192,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 one.
             ValueError: the steps per epoch are unknown or not positive.
         """
-        if isinstance(dataset, tf.data.Dataset):
+        datasets = (tf.data.Dataset, tf.distribute.DistributedDataset)
+        if isinstance(dataset, datasets):
             fixed = dataset
             dataset_fn = lambda epoch: fixed  # noqa: E731
         elif callable(dataset):
@@ -199,13 +204,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"tf.data.Dataset. Received: {type(dataset).__name__}"
             )
         first = dataset_fn(0)
-        if not isinstance(first, tf.data.Dataset):
+        if not isinstance(first, datasets):
             raise TypeError(
-                "`dataset` must return a tf.data.Dataset of global batches. "
+                "`dataset` must return a tf.data.Dataset of global batches (or a "
+                "distributed dataset, e.g. from pipelines.make_dataset). "
                 f"Received: dataset(0) -> {type(first).__name__}"
             )
         if steps_per_epoch is None:
-            cardinality = int(first.cardinality().numpy())
+            cardinality = keras_fit_resume.cardinality(first)
             if cardinality < 1:
                 kind = {-1: "infinite", -2: "unknown"}.get(cardinality, "zero")
                 raise ValueError(
