@@ -99,7 +99,8 @@ for name, kwargs in cases.items():
 data = np.load(os.path.join(out_dir, "classifier.npz"))
 with strategy.scope():
     inputs = keras.Input(data["x"].shape[1:])
-    model = keras.Model(inputs, keras.layers.Dense(data["bias"].shape[0], activation="softmax")(inputs))
+    outputs = keras.layers.Dense(data["bias"].shape[0], activation="softmax")(inputs)
+    model = keras.Model(inputs, outputs)
     model.set_weights([data["kernel"], data["bias"]])
     model.compile(loss="sparse_categorical_crossentropy",
                   metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
