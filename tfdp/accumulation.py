@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import strategy as strategy_lib
+from tfdp._upstream import keras_train_function
 from tfdp._upstream import keras_train_step
 from tfdp._upstream import loss_scale
 
@@ -242,5 +243,7 @@ def compile(  # pylint: disable=redefined-builtin
         model.train_step = functools.partial(accumulating_train_step, model, accum_steps)
     elif "train_step" in vars(model):
         del model.train_step  # re-compiled without accumulation
+    # steps_per_execution > 1: reduce the logs once per execution, not per step.
+    keras_train_function.install(model, tfdp_step=accum_steps > 1)
     model.tfdp_accum_steps = accum_steps
     return model

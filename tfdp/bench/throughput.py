@@ -15,6 +15,8 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
 
 - `keras_fit`: plain `model.compile` + `model.fit`, one step per call
   (Keras' default `steps_per_execution=1`), with an accuracy metric;
+- `keras_fit_n`: plain `model.compile(..., steps_per_execution=N)` +
+  `model.fit` (Keras' own train function), with an accuracy metric;
 - `tfdp_fit`: `tfdp.compile(..., steps_per_execution=N)` + `model.fit`, with
   an accuracy metric;
 - `trainer`: `tfdp.Trainer(..., steps_per_loop=N)`, with an accuracy metric;
@@ -31,7 +33,7 @@ import statistics
 import time
 from typing import Callable
 
-PATHS = ("keras_fit", "tfdp_fit", "trainer", "loop_1", "loop_n", "input")
+PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "trainer", "loop_1", "loop_n", "input")
 
 _DEFAULTS = {
     "per_replica_batch": 64,
@@ -71,17 +73,16 @@ def _optimizer(spec):
     return keras.optimizers.SGD(spec["learning_rate"], momentum=0.9)
 
 
-def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool) -> Callable[[int], None]:
+def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool,
+                steps_per_execution: int) -> Callable[[int], None]:
     import tfdp
     from tfdp.bench import workloads
 
     with strategy.scope():
         model = workloads.build_cnn()
-        if use_tfdp:
-            tfdp.compile(model, optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
-                         steps_per_execution=spec["steps_per_execution"])
-        else:
-            model.compile(optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"])
+        compile_fn = tfdp.compile if use_tfdp else type(model).compile
+        compile_fn(model, optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
+                   steps_per_execution=steps_per_execution)
 
     def run(steps: int) -> None:
         model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
@@ -169,8 +170,11 @@ def _input_runner(strategy, dataset, spec) -> Callable[[int], None]:
 
 
 def _runner(path, strategy, dataset, spec):
-    if path in ("keras_fit", "tfdp_fit"):
-        return _fit_runner(strategy, dataset, spec, use_tfdp=path == "tfdp_fit")
+    if path in ("keras_fit", "keras_fit_n", "tfdp_fit"):
+        return _fit_runner(
+            strategy, dataset, spec, use_tfdp=path == "tfdp_fit",
+            steps_per_execution=1 if path == "keras_fit" else spec["steps_per_execution"],
+        )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec)
     if path == "loop_1":

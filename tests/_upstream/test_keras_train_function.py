@@ -1,0 +1,95 @@
+"""Pins tfdp._upstream.keras_train_function to Keras' own multi-step train function.
+
+tfdp.compile(steps_per_execution=N > 1) replaces Keras' train function with
+one that reduces the logs once per execution; weights, logs and the end of
+the data must be exactly what Keras' own function gives.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp._upstream import keras_train_function
+
+BATCHES, BATCH = 7, 8  # 7 batches with steps_per_execution=3: executions of 3, 3, 1
+
+
+def _model():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="relu"),
+                             keras.layers.Dense(3)])
+
+
+def _dataset():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(BATCHES * BATCH, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(BATCHES * BATCH,))
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def _fit(strategy, use_tfdp, **compile_kwargs):
+    with strategy.scope():
+        model = _model()
+        compile_fn = tfdp.compile if use_tfdp else type(model).compile
+        compile_fn(model, optimizer=keras.optimizers.SGD(0.3, momentum=0.5),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   metrics=["accuracy"], steps_per_execution=3, **compile_kwargs)
+    batch_logs = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch_logs.append(
+            (batch, {k: float(v) for k, v in logs.items()})))
+    history = model.fit(_dataset(), epochs=2, verbose=0, callbacks=[callback], shuffle=False)
+    return model, history.history, batch_logs
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_matches_keras_own_train_function(replicas, accum_steps):
+    def strategy():
+        return (tfdp.make_strategy(cpu_replicas=replicas) if replicas > 1
+                else tfdp.make_strategy("default"))
+
+    # Keras' own function with tfdp's step: only the train function differs.
+    keras_model, keras_history, keras_batches = _fit(strategy(), use_tfdp=False)
+    model, history, batches = _fit(strategy(), use_tfdp=True, accum_steps=accum_steps)
+    assert "make_train_function" in vars(model)
+    assert int(model.optimizer.iterations.numpy()) == 2 * BATCHES
+    if accum_steps == 1:
+        for want, got in zip(keras_model.weights, model.weights):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(history[key], keras_history[key], rtol=1e-6)
+        assert [b for b, _ in batches] == [b for b, _ in keras_batches]
+        for (_, got), (_, want) in zip(batches, keras_batches):
+            for key in want:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+    else:
+        assert [b for b, _ in batches] == [b for b, _ in keras_batches]
+
+
+def test_train_on_batch_still_works():
+    model = _model()
+    tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
+    logs = model.train_on_batch(np.zeros((BATCH, 4), "float32"), np.zeros((BATCH, 3), "float32"),
+                                return_dict=True)
+    assert set(logs) == {"loss"}
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
+class _CustomStep(keras.Sequential):
+    def train_step(self, data):
+        return {"custom": tf.constant(1.0)}
+
+
+def test_only_where_the_step_returns_the_metrics_and_several_steps_run():
+    custom = _CustomStep([keras.Input((4,)), keras.layers.Dense(3)])
+    tfdp.compile(custom, optimizer="sgd", loss="mse", steps_per_execution=3)
+    assert "make_train_function" not in vars(custom)  # its logs are its own
+    model = _model()
+    tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
+    assert "make_train_function" in vars(model)
+    tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=1)
+    assert "make_train_function" not in vars(model)
+    assert not keras_train_function.install(model)

@@ -1,0 +1,147 @@
+"""Keras 3's multi-step train function, with the logs reduced once per execution.
+
+With `steps_per_execution=N > 1`, Keras' TensorFlow trainer
+(`TensorFlowTrainer._make_function`, keras/src/backend/tensorflow/trainer.py,
+Keras 3.15) runs N steps in one `tf.function` call, but each step still
+returns the metrics' results and reduces them across replicas
+(`reduce_per_replica(..., "auto")`) inside the loop, and the loop carries
+those logs: the reductions of N − 1 steps are computed and thrown away. On
+one device that is a few small ops per step; under
+MultiWorkerMirroredStrategy each log value becomes a cross-worker all-reduce
+per step, a round trip of ≈2 ms on loopback for every metric, every step
+(measured by `python -m tfdp.bench`, case "overhead", paths `keras_fit_n`
+and `tfdp_fit`).
+
+`make_train_function` builds the same loop (same input handling: an
+`Optional` per step, stop at the end of the data, `StopIteration` when an
+execution ran no step) whose steps return nothing, and reads the logs once,
+after the loop, from the metrics (`model.get_metrics_result()` in replica
+context, reduced as Keras does). For a train step that returns
+`get_metrics_result()` — Keras' own and tfdp's accumulating step — those are
+the very logs the last step would have returned. Models whose class
+overrides `train_step` keep Keras' function (`applies_to`).
+
+Private Keras members touched: `_make_function`, `_autoconvert_optionals`,
+`steps_per_execution`, and `reduce_per_replica` of the trainer module.
+`tests/_upstream/test_keras_train_function.py` checks that weights and
+logged metrics match Keras' own function, so a Keras change that breaks this
+copy fails there first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
+
+# pylint: disable=protected-access
+
+
+def applies_to(model: keras.Model, *, tfdp_step: bool = False) -> bool:
+    """Whether `model`'s train step returns its metrics' results (so logs can wait).
+
+    Args:
+        model: a compiled Keras model.
+        tfdp_step: the model runs tfdp's accumulating step (an instance
+            attribute set by `tfdp.compile`), which returns them.
+
+    Returns:
+        True for tfdp's step, or for Keras' own `train_step` (the model's
+        class does not override it and no instance attribute replaces it).
+    """
+    if tfdp_step:
+        return True
+    return ("train_step" not in vars(model)
+            and type(model).train_step is _keras_tf_trainer.TensorFlowTrainer.train_step)
+
+
+def make_train_function(model: keras.Model, force: bool = False):
+    """`model.make_train_function` with one log reduction per execution.
+
+    Install it with `model.make_train_function = functools.partial(
+    make_train_function, model)` after `model.compile(steps_per_execution=N)`;
+    Keras' `fit` then calls it as its own.
+
+    Args:
+        model: a compiled Keras model for which `applies_to` holds.
+        force: rebuild even if a train function exists. Defaults to False.
+
+    Returns:
+        The train function (also stored as `model.train_function`): it takes
+        an iterator, runs up to `steps_per_execution` steps, and returns the
+        logs after the last one; `StopIteration` when the iterator is empty.
+    """
+    if model.train_function is not None and not force:
+        return model.train_function
+    strategy = model.distribute_strategy
+    steps_per_execution = model.steps_per_execution
+    step_function = model.train_step
+
+    def one_step_on_data(data):
+        strategy.run(step_function, args=(data,))  # logs unused: read after the loop
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(
+            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
+        )
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    def multi_step_on_iterator(iterator):
+        def cond(step, next_inputs):
+            return tf.logical_and(step < steps_per_execution, next_inputs.has_value())
+
+        def body(step, next_inputs):
+            one_step_on_data(next_inputs.get_value())
+            next_inputs = tf.cond(
+                step + 1 < steps_per_execution,
+                iterator.get_next_as_optional,
+                lambda: next_inputs,
+            )
+            return step + 1, next_inputs
+
+        steps_run, _ = tf.while_loop(
+            cond, body, (tf.constant(0), iterator.get_next_as_optional())
+        )
+        with tf.control_dependencies([steps_run]):
+            logs = strategy.run(model.get_metrics_result)
+        return steps_run, _keras_tf_trainer.reduce_per_replica(logs, strategy, reduction="auto")
+
+    if not model.run_eagerly:
+        multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+    keras_function = None
+
+    def function(iterator):
+        nonlocal keras_function
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            steps_run, logs = multi_step_on_iterator(iterator)
+            if int(steps_run) == 0:
+                raise StopIteration
+            return logs
+        # Python iterators (train_on_batch): Keras' own per-step function.
+        if keras_function is None:
+            keras_function = model._make_function(step_function)
+        return keras_function(iterator)
+
+    model.train_function = function
+    return function
+
+
+def install(model: keras.Model, *, tfdp_step: bool = False) -> bool:
+    """Makes `model.fit` use `make_train_function` where it applies.
+
+    Args:
+        model: a model just compiled (by `tfdp.compile`).
+        tfdp_step: see `applies_to`.
+
+    Returns:
+        True if installed: `steps_per_execution > 1` and `applies_to(model)`;
+        otherwise any earlier installation is removed and False is returned.
+    """
+    if model.steps_per_execution > 1 and applies_to(model, tfdp_step=tfdp_step):
+        model.make_train_function = functools.partial(make_train_function, model)
+        return True
+    if "make_train_function" in vars(model):
+        del model.make_train_function
+    return False
