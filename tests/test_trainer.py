@@ -1,7 +1,15 @@
-"""Tests for tfdp.Trainer: equivalence with Keras fit, exact resume, evaluation."""
+"""Tests for tfdp.Trainer: equivalence with Keras fit, exact resume, evaluation.
 
+Also what Trainer relies on around the loop: the chief's start-up log lines,
+non-chief workers' scratch checkpoints (`tfdp.checkpointing`), and one
+all-reduce per optimizer step with accumulation.
+"""
+
+import dataclasses
 import glob
+import logging
 import os
+import tempfile
 
 import keras
 import numpy as np
@@ -9,6 +17,9 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from test_accumulation import counting_mirrored_strategy
+from tfdp import checkpointing
+from tfdp import strategy as strategy_lib
 from tfdp.batch import BatchConfig
 from tfdp.trainer import Trainer
 
@@ -43,9 +54,9 @@ def _loss():
 
 
 def _trainer(strategy, *, accum_steps=1, model_dir=None, steps_per_loop=1, optimizer=None,
-             regularized=False, **kwargs):
+             regularized=False, global_batch=GLOBAL_BATCH, **kwargs):
     model = _build(strategy, regularized)
-    batch = BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync, accum_steps)
+    batch = BatchConfig.from_global(global_batch, strategy.num_replicas_in_sync, accum_steps)
     with strategy.scope():
         optimizer = optimizer or keras.optimizers.SGD(0.5, momentum=0.5)
     return Trainer(
@@ -69,8 +80,8 @@ def _keras_reference(epochs=1, regularized=False):
     return [w.numpy() for w in model.weights]
 
 
-def _global_batches():
-    return tf.data.Dataset.from_tensor_slices(_arrays()).batch(GLOBAL_BATCH, drop_remainder=True)
+def _global_batches(global_batch=GLOBAL_BATCH):
+    return tf.data.Dataset.from_tensor_slices(_arrays()).batch(global_batch, drop_remainder=True)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +131,14 @@ class SeenCounter(keras.layers.Layer):
         return features
 
 
-def _counting_trainer(strategy, model_dir, **kwargs):
+def _learning_rate(kind):
+    """A constant 0.5, or 4 warmup steps to 0.5 then cosine to 0 at step 24."""
+    if kind == "constant":
+        return 0.5
+    return tfdp.WarmupSchedule(0.5, warmup_steps=4, decay="cosine", total_steps=24)
+
+
+def _counting_trainer(strategy, model_dir, learning_rate=0.5, **kwargs):
     with strategy.scope():
         keras.utils.set_random_seed(11)
         features = keras.Input((FEATURES,), name="features")
@@ -128,7 +146,7 @@ def _counting_trainer(strategy, model_dir, **kwargs):
         hidden = SeenCounter(EPOCHS_COUNTED * NUM_EXAMPLES)([features, ids])
         hidden = keras.layers.Dense(8, activation="tanh")(hidden)
         model = keras.Model({"features": features, "id": ids}, keras.layers.Dense(CLASSES)(hidden))
-        optimizer = keras.optimizers.SGD(0.5, momentum=0.5)
+        optimizer = keras.optimizers.SGD(learning_rate, momentum=0.5)
     batch = BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync)
     return Trainer(model, optimizer=optimizer, loss=_loss(), strategy=strategy, batch=batch,
                    model_dir=model_dir, **kwargs)
@@ -151,25 +169,37 @@ def _dataset_for_epoch(epoch):
     ).batch(GLOBAL_BATCH, drop_remainder=True)
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path, replicas):
+@pytest.mark.parametrize(
+    "replicas, learning_rate", [(1, "constant"), (2, "constant"), (2, "warmup_cosine")]
+)
+def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path, replicas, learning_rate):
     def strategy():
         return (
             tfdp.make_strategy(cpu_replicas=replicas) if replicas > 1
             else tfdp.make_strategy("default")
         )
 
+    def trainer(name, **kwargs):
+        return _counting_trainer(strategy(), str(tmp_path / name),
+                                 _learning_rate(learning_rate), **kwargs)
+
     total = 16  # two epochs of 6 steps, then 4 steps of the third
-    straight = _counting_trainer(strategy(), str(tmp_path / "straight"))
+    straight = trainer("straight")
     straight.train(_dataset_for_epoch, steps=total)
 
-    first = _counting_trainer(strategy(), str(tmp_path / "resumed"), checkpoint_every=3)
-    first.train(_dataset_for_epoch, steps=9)  # stops mid-way through epoch 1
+    first = trainer("resumed", checkpoint_every=3)
+    first.train(_dataset_for_epoch, steps=9)  # stops mid-way through epoch 1 (and the cosine)
     assert first.global_step == 9
-    second = _counting_trainer(strategy(), str(tmp_path / "resumed"), checkpoint_every=3)
+    second = trainer("resumed", checkpoint_every=3)
     assert second.global_step == 0  # a fresh model: nothing restored yet
     second.train(_dataset_for_epoch, steps=total)
     assert second.global_step == total
+    # The schedule position is the restored optimizer step.
+    schedule = _learning_rate(learning_rate)
+    want_lr = schedule if learning_rate == "constant" else float(schedule(total))
+    for trainer_ in (straight, second):
+        lr = float(keras.ops.convert_to_numpy(trainer_.optimizer.learning_rate))
+        assert lr == pytest.approx(want_lr, abs=1e-7)
 
     for want, got in zip(straight.model.weights, second.model.weights):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
@@ -198,6 +228,128 @@ def test_checkpoints_and_summaries_on_disk(tmp_path):
     for event in tf.compat.v1.train.summary_iterator(events[0]):
         tags.update(value.tag for value in event.summary.value)
     assert {"loss", "accuracy", "learning_rate", "examples_per_second", "batch/global"} <= tags
+
+
+def _tfdp_log_messages(caplog):
+    """What tfdp (not TensorFlow) logged through absl."""
+    package = os.path.dirname(tfdp.__file__) + os.sep
+    return [r.getMessage() for r in caplog.records
+            if r.name == "absl" and r.pathname.startswith(package)]
+
+
+def _as_non_chief(monkeypatch, strategy):
+    """Makes Trainer see `strategy` as worker 1 of 2, which is not the chief."""
+    info = dataclasses.replace(strategy_lib.strategy_info(strategy), num_workers=2,
+                               worker_index=1, is_chief=False)
+    monkeypatch.setattr(strategy_lib, "strategy_info", lambda strategy=None: info)
+
+
+def test_chief_logs_the_strategy_and_the_batch_at_start(caplog):
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    trainer = _trainer(strategy, accum_steps=2)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        trainer.train(_global_batches(), steps=1)
+    start = [m for m in _tfdp_log_messages(caplog) if m.startswith("tfdp trainer: ")]
+    strategy_line = "tfdp trainer: " + tfdp.strategy_info(strategy).describe()
+    assert start[:2] == [
+        strategy_line,
+        "tfdp trainer: batch: 4 per replica × 2 replica(s) × 2 accumulation step(s) = "
+        "16 global examples per optimizer step",
+    ]
+    assert "MirroredStrategy" in strategy_line and "2 replica(s) in sync" in strategy_line
+
+
+def test_non_chief_logs_nothing_and_leaves_no_files(tmp_path, monkeypatch, caplog):
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    _as_non_chief(monkeypatch, strategy)
+    scratch = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "mkdtemp",
+                        lambda *a, **k: scratch.append(mkdtemp(*a, **k)) or scratch[-1])
+    model_dir = tmp_path / "model_dir"
+    trainer = _trainer(strategy, model_dir=str(model_dir), checkpoint_every=2)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        trainer.train(_global_batches(), steps=5)
+    assert trainer.global_step == 5
+    assert _tfdp_log_messages(caplog) == []
+    assert not model_dir.exists() or list(model_dir.iterdir()) == []
+    # It still saved (a save can join a collective) at steps 2, 4 and 5, each
+    # into a scratch directory it removed.
+    assert len(scratch) == 3
+    assert [p for p in scratch if os.path.exists(p)] == []
+
+
+class _RecordingCheckpoint(tf.train.Checkpoint):
+    """Records what each `write` left in its directory; fails if `fail`."""
+
+    def __init__(self, fail=False, **kwargs):
+        super().__init__(**kwargs)
+        self._fail = fail
+        self.writes = []
+
+    def write(self, file_prefix, options=None):
+        path = super().write(file_prefix, options=options)
+        self.writes.append((path, sorted(os.listdir(os.path.dirname(path)))))
+        if self._fail:
+            raise OSError("disk full")
+        return path
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_non_chief_checkpoint_goes_to_a_scratch_directory_that_is_removed(
+    tmp_path, monkeypatch, fail
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    checkpoint = _RecordingCheckpoint(fail=fail, v=tf.Variable([1.0, 2.0]))
+    model_dir = tmp_path / "model_dir"
+    manager = checkpointing.ChiefCheckpointManager(checkpoint, str(model_dir), is_chief=False)
+    if fail:
+        with pytest.raises(OSError, match="disk full"):
+            manager.save(3)
+    else:
+        assert manager.save(3) is None
+    [(path, files)] = checkpoint.writes
+    # The checkpoint was written in full, under the temporary directory ...
+    assert path.startswith(str(tmp_path / "tmp" / "tfdp-worker-checkpoint-"))
+    assert os.path.basename(path) == "ckpt-3"
+    assert "ckpt-3.index" in files
+    # ... which is gone afterwards, and nothing went to the chief's directory.
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert not model_dir.exists()
+    assert manager.latest_checkpoint is None
+
+
+def test_chief_checkpoint_goes_to_model_dir(tmp_path):
+    variable = tf.Variable([1.0, 2.0])
+    model_dir = tmp_path / "model_dir"
+    manager = checkpointing.ChiefCheckpointManager(
+        tf.train.Checkpoint(v=variable), str(model_dir), is_chief=True)
+    path = manager.save(3)
+    assert path == str(model_dir / "ckpt-3") == manager.latest_checkpoint
+    variable.assign([0.0, 0.0])
+    assert manager.restore_latest() == path
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    "accum_steps, global_batch",
+    [(4, GLOBAL_BATCH), (1, GLOBAL_BATCH // 4)],  # the second: one step per micro-batch
+)
+def test_one_all_reduce_per_optimizer_step(accum_steps, global_batch):
+    strategy, counter = counting_mirrored_strategy()
+    trainer = _trainer(strategy, accum_steps=accum_steps, global_batch=global_batch,
+                       steps_per_loop=3)
+    trainer.train(_global_batches(global_batch), epochs=1)
+    steps = NUM_EXAMPLES // global_batch
+    assert trainer.global_step == steps
+    # Counted at run time, once per all-reduce: 6 with accumulation, and 24
+    # when every micro-batch is an optimizer step of its own.
+    assert int(counter.numpy()) == steps
+    if global_batch == GLOBAL_BATCH:
+        for want, got in zip(_keras_reference(epochs=1), trainer.model.weights):
+            np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=0)
 
 
 def test_evaluate_ignores_zero_weight_padding_exactly():
