@@ -53,3 +53,19 @@ def test_constructor_validates(kwargs, name):
 def test_from_global_validates_global_batch():
     with pytest.raises(ValueError, match="`global_batch` must be a positive integer"):
         BatchConfig.from_global(0, 2)
+
+
+def test_num_batches_of_plain_and_distributed_datasets():
+    import tensorflow as tf
+
+    import tfdp
+    from tfdp.batch import num_batches
+
+    dataset = tf.data.Dataset.range(10).batch(4)
+    assert num_batches(dataset) == 3
+    assert num_batches(dataset.repeat()) == -1  # infinite
+    assert num_batches(dataset.filter(lambda x: True)) == -2  # unknown
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    assert num_batches(distributed) == 3
+    assert num_batches(object()) == -2

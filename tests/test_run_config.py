@@ -94,3 +94,14 @@ def test_epoch_seeds_differ_and_are_deterministic():
 )
 def test_steps_per_execution_divides_the_epoch(steps_per_loop, steps_per_epoch, expected):
     assert experiment.steps_per_execution_for(steps_per_loop, steps_per_epoch) == expected
+
+
+@pytest.mark.parametrize(
+    "steps_per_loop, steps_per_epoch, checkpoint_every, expected",
+    [(10, None, 4, 4), (10, None, 15, 5), (10, 22, 4, 2), (10, 20, 30, 10), (3, None, 7, 1)],
+)
+def test_steps_per_execution_lets_the_backup_land_on_its_step(
+    steps_per_loop, steps_per_epoch, checkpoint_every, expected
+):
+    assert experiment.steps_per_execution_for(
+        steps_per_loop, steps_per_epoch, checkpoint_every) == expected

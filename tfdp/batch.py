@@ -3,12 +3,28 @@
 One training step is one optimizer step on one global batch, everywhere in
 tfdp (progress bars, `steps_per_epoch`, learning-rate schedules, checkpoints).
 This module owns the arithmetic that ties the four numbers together and the
-line the chief logs about them; it does not build datasets or train.
+line the chief logs about them, and counts the batches of a dataset; it does
+not build datasets or train.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+
+def num_batches(dataset) -> int:
+    """Batches (steps) in `dataset`: -1 if infinite, -2 if unknown.
+
+    Works for a `tf.data.Dataset`, whose `cardinality()` is a method returning
+    a tensor, and for a distributed dataset, whose `cardinality` is a NumPy
+    integer attribute (Keras' TF dataset adapter handles the same two cases).
+    """
+    value = getattr(dataset, "cardinality", None)
+    if value is None:
+        return -2
+    if callable(value):
+        value = value()
+    return int(value)
 
 
 def _check_count(name: str, value, hint: str = "") -> None:

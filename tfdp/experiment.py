@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from absl import logging
 
 from tfdp import accumulation
 from tfdp import checkpointing
+from tfdp.callbacks import BackupAndRestore
 from tfdp import lr_schedules
 from tfdp import optimizers as tfdp_optimizers
 from tfdp import strategy as strategy_lib
@@ -113,38 +115,22 @@ def make_optimizer(config: RunConfig, learning_rate) -> keras.optimizers.Optimiz
     return tfdp_optimizers.LAMB(learning_rate, weight_decay=config.weight_decay)
 
 
-class _CheckpointEvery(keras.callbacks.Callback):
-    """Saves model and optimizer every `every` optimizer steps and at the end (fit loop)."""
-
-    def __init__(self, manager: checkpointing.ChiefCheckpointManager, every: int | None):
-        super().__init__()
-        self._manager, self._every, self._last = manager, every, 0
-
-    def _step(self) -> int:
-        return int(self.model.optimizer.iterations.numpy())
-
-    def on_train_batch_end(self, batch, logs=None):
-        step = self._step()
-        if self._every and step // self._every > self._last // self._every:
-            self._manager.save(step)
-            self._last = step
-
-    def on_train_end(self, logs=None):
-        step = self._step()
-        if step != self._last:
-            self._manager.save(step)
-
-
 class _EpochTimer(keras.callbacks.Callback):
+    """Wall time and optimizer steps of each epoch `fit` runs (a resumed one runs fewer)."""
+
     def __init__(self):
         super().__init__()
-        self.seconds: list[float] = []
+        self.epochs: list[tuple[float, int]] = []  # (seconds, steps)
+
+    def _state(self):
+        return time.perf_counter(), int(self.model.optimizer.iterations.numpy())
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+        self._start = self._state()
 
     def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
+        now, steps = self._state()
+        self.epochs.append((now - self._start[0], steps - self._start[1]))
 
 
 def _floats(logs: dict) -> dict:
@@ -185,12 +171,6 @@ def train_and_evaluate(
     except ValueError as error:  # contradicts the cluster or the hardware
         raise ConfigError(str(error)) from None
     batch = batch_config(config, plan.num_replicas)  # before any collective starts
-    if config.loop == "fit" and config.model_dir and tf.train.latest_checkpoint(config.model_dir):
-        raise ConfigError(
-            f"--model_dir={config.model_dir} already holds a checkpoint, and --loop=fit "
-            f"does not resume from it. Use --loop=custom (which resumes exactly) or a new "
-            f"--model_dir."
-        )
     if config.mixed_precision != "none":
         keras.config.set_dtype_policy(config.mixed_precision)
     strategy = strategy_lib.make_strategy(
@@ -233,10 +213,22 @@ def train_and_evaluate(
             flush=True,
         )
 
+    unused = [train_data]
+
+    def dataset_for_epoch(epoch: int):
+        # A fresh dataset per call: iterating one distributed dataset twice
+        # (Keras' first peek, then the epoch) does not give a reproducible
+        # order, and a resumed run must see exactly the batches the straight
+        # run saw. `train_data` is handed out once, for epoch 0.
+        if epoch == 0 and unused:
+            return unused.pop()
+        return build_dataset("train", training=True, strategy=strategy, batch=batch,
+                             seed=epoch_seed(config.seed, epoch))[0]
+
     train_started = time.perf_counter()
     if config.loop == "fit":
         train_logs, examples_per_second = _train_with_fit(
-            config, model, optimizer, loss, batch, train_data, steps_per_epoch, info
+            config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch, info
         )
         eval_model = model
         steps = int(optimizer.iterations.numpy())
@@ -247,12 +239,6 @@ def train_and_evaluate(
             steps_per_loop=config.steps_per_loop, checkpoint_every=config.checkpoint_every,
             jit_compile=config.jit_compile,
         )
-
-        def dataset_for_epoch(epoch: int):
-            if epoch == 0:
-                return train_data
-            return build_dataset("train", training=True, strategy=strategy, batch=batch,
-                                 seed=epoch_seed(config.seed, epoch))[0]
 
         result = trainer.train(dataset_for_epoch, epochs=config.epochs,
                                steps_per_epoch=steps_per_epoch)
@@ -300,46 +286,101 @@ def train_and_evaluate(
     return summary
 
 
-def steps_per_execution_for(steps_per_loop: int, steps_per_epoch: int | None) -> int:
-    """The largest divisor of `steps_per_epoch` that is <= `steps_per_loop`.
+def steps_per_execution_for(
+    steps_per_loop: int, steps_per_epoch: int | None, checkpoint_every: int | None = None
+) -> int:
+    """The largest divisor of `steps_per_epoch` and `checkpoint_every` <= `steps_per_loop`.
 
-    Keras' epoch iterator runs whole executions: with an explicit
-    `steps_per_epoch` that `steps_per_execution` does not divide, the last
-    execution of every epoch overruns it (5 steps per epoch at 2 per
-    execution run 6). A divisor keeps one epoch = `steps_per_epoch` steps.
+    Keras' epoch iterator runs whole executions and calls batch callbacks
+    once per execution. With an explicit `steps_per_epoch` shorter than the
+    data, an execution that does not divide it overruns the epoch (5 steps
+    per epoch at 2 per execution run 6); a backup every `checkpoint_every`
+    steps can only land at the end of an execution. Either may be `None`
+    (no constraint): an epoch that ends with the data may end part-way
+    through an execution.
     """
-    if not steps_per_epoch:
+    constraints = [n for n in (steps_per_epoch, checkpoint_every) if n]
+    if not constraints:
         return steps_per_loop
-    return max(d for d in range(1, min(steps_per_loop, steps_per_epoch) + 1)
-               if steps_per_epoch % d == 0)
+    common = math.gcd(*constraints)
+    return max(d for d in range(1, min(steps_per_loop, common) + 1) if common % d == 0)
 
 
-def _train_with_fit(config, model, optimizer, loss, batch, train_data, steps_per_epoch, info):
-    steps_per_execution = steps_per_execution_for(config.steps_per_loop, config.steps_per_epoch)
+def _final_checkpoint(config, model, info) -> checkpointing.ChiefCheckpointManager:
+    """Where `--loop=fit` keeps its final weights and optimizer: `model_dir`."""
+    return checkpointing.ChiefCheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer), config.model_dir,
+        is_chief=info.is_chief,
+    )
+
+
+def _restore_finished_run(config, model, info, total_steps: int) -> bool:
+    """Restores a finished `--loop=fit` run from `model_dir`; True if there is one.
+
+    Raises:
+        ConfigError: `model_dir` holds a final checkpoint of fewer steps than
+            this run plans (fit cannot extend a finished run).
+    """
+    manager = _final_checkpoint(config, model, info)
+    if manager.latest_checkpoint is None:
+        return False
+    with model.distribute_strategy.scope():  # slots exist before they are restored
+        model.optimizer.build(model.trainable_variables)
+    manager.restore_latest()
+    done = int(model.optimizer.iterations.numpy())
+    if done < total_steps:
+        raise ConfigError(
+            f"--model_dir={config.model_dir} holds a finished --loop=fit run of {done} "
+            f"steps, and this run plans {total_steps}; --loop=fit cannot extend a finished "
+            f"run. Use a new --model_dir, or --loop=custom (which continues from the "
+            f"saved step)."
+        )
+    if info.is_chief:
+        print(f"tfdp-train: {config.model_dir} already holds this run's {done} steps; "
+              f"evaluating it without training.", flush=True)
+    return True
+
+
+def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch,
+                    info):
+    """`model.fit` through `tfdp.compile`; resumable from `model_dir/backup`.
+
+    With a `model_dir`, `tfdp.callbacks.BackupAndRestore` backs the run up
+    every `--checkpoint_every` steps (else every epoch) and on SIGTERM (exit
+    code 42), and a rerun of the same command resumes at the exact step; the
+    final weights go to `model_dir` as a checkpoint, as `--loop=custom` does.
+    """
+    steps_per_execution = steps_per_execution_for(
+        config.steps_per_loop, config.steps_per_epoch, config.checkpoint_every
+    )
     if steps_per_execution != config.steps_per_loop and info.is_chief:
-        print(f"tfdp-train: --steps_per_loop={config.steps_per_loop} does not divide "
-              f"--steps_per_epoch={config.steps_per_epoch}; running {steps_per_execution} "
-              f"steps per execution so that every epoch has exactly "
-              f"{config.steps_per_epoch} steps.")
+        print(f"tfdp-train: running {steps_per_execution} steps per execution instead of "
+              f"--steps_per_loop={config.steps_per_loop}, so that executions divide "
+              f"--steps_per_epoch={config.steps_per_epoch} and --checkpoint_every="
+              f"{config.checkpoint_every}.")
     accumulation.compile(
         model, optimizer=optimizer, loss=loss, metrics=["accuracy"],
         accum_steps=config.accum_steps, steps_per_execution=steps_per_execution,
         jit_compile=config.jit_compile,
     )
+    total_steps = config.epochs * steps_per_epoch
+    if config.model_dir and _restore_finished_run(config, model, info, total_steps):
+        return {}, 0.0
     timer = _EpochTimer()
     callbacks = [timer]
+    fit_input, fit_steps = dataset_for_epoch(0), config.steps_per_epoch
     if config.model_dir:
-        manager = checkpointing.ChiefCheckpointManager(
-            tf.train.Checkpoint(model=model, optimizer=optimizer), config.model_dir,
-            is_chief=info.is_chief,
-        )
-        callbacks.append(_CheckpointEvery(manager, config.checkpoint_every))
+        backup = BackupAndRestore(os.path.join(config.model_dir, "backup"),
+                                  save_freq=config.checkpoint_every or "epoch")
+        fit_input, fit_steps = backup.wrap(dataset_for_epoch, steps_per_epoch=steps_per_epoch), None
+        callbacks.append(backup)
     verbose = (1 if sys.stdout.isatty() else 2) if info.is_chief else 0
-    history = model.fit(
-        train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
-        callbacks=callbacks, verbose=verbose,
-    )
+    history = model.fit(fit_input, epochs=config.epochs, steps_per_epoch=fit_steps,
+                        callbacks=callbacks, verbose=verbose)
+    if config.model_dir:
+        _final_checkpoint(config, model, info).save(int(model.optimizer.iterations.numpy()))
     train_logs = {k: v[-1] for k, v in history.history.items()}
     # The last epoch's throughput: the first one includes tracing.
-    examples_per_second = steps_per_epoch * batch.global_batch / timer.seconds[-1]
+    seconds, steps = timer.epochs[-1] if timer.epochs else (0.0, 0)
+    examples_per_second = steps * batch.global_batch / seconds if seconds else 0.0
     return train_logs, examples_per_second

@@ -31,6 +31,7 @@ from tfdp import accumulation
 from tfdp import checkpointing
 from tfdp import strategy as strategy_lib
 from tfdp._upstream import loss_scale
+from tfdp import batch as batch_lib
 from tfdp.batch import BatchConfig
 
 DatasetLike = Union[tf.data.Dataset, tf.distribute.DistributedDataset, Any]
@@ -317,20 +318,6 @@ class Trainer:
             self._skip_loop(iterator, tf.constant(skip))
         return iterator
 
-    @staticmethod
-    def _infer_steps_per_epoch(dataset) -> int | None:
-        cardinality = getattr(dataset, "cardinality", None)
-        if isinstance(dataset, tf.data.Dataset):
-            value = int(dataset.cardinality().numpy())
-        elif callable(cardinality):
-            try:
-                value = int(cardinality().numpy())
-            except Exception:  # pylint: disable=broad-except
-                return None
-        else:
-            return None
-        return value if value > 0 else None
-
     # --- public API -------------------------------------------------------
 
     @property
@@ -391,8 +378,8 @@ class Trainer:
             dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)
         ) else (lambda epoch: dataset)
         if steps_per_epoch is None:
-            steps_per_epoch = self._infer_steps_per_epoch(dataset_for_epoch(0))
-        if steps_per_epoch is None:
+            steps_per_epoch = batch_lib.num_batches(dataset_for_epoch(0))
+        if steps_per_epoch < 1:  # unknown, infinite or empty
             if epochs is not None:
                 raise ValueError(
                     "The dataset's number of batches is unknown or infinite, so "

@@ -44,6 +44,8 @@ from typing import Callable
 
 import keras
 import tensorflow as tf
+
+from tfdp.batch import num_batches
 from keras.src.trainers import epoch_iterator as _epoch_iterator
 from keras.src.trainers.data_adapters import data_adapter as _data_adapter
 
@@ -77,18 +79,6 @@ def set_initial_epoch(model: keras.Model, epoch: int) -> None:
 def clear_initial_epoch(model: keras.Model) -> None:
     """Undoes `set_initial_epoch`, so a later `fit` honours its `initial_epoch`."""
     model._initial_epoch = None
-
-
-def cardinality(dataset) -> int:
-    """Batches in `dataset` (-1 infinite, -2 unknown), for either kind of dataset.
-
-    `tf.data.Dataset.cardinality()` is a method returning a tensor; a
-    distributed dataset's `cardinality` is a NumPy integer attribute.
-    """
-    value = dataset.cardinality
-    if callable(value):
-        value = value()
-    return int(value)
 
 
 class EpochInput(_data_adapter.DataAdapter):
@@ -134,7 +124,7 @@ class EpochInput(_data_adapter.DataAdapter):
                 f"distributed dataset. Received: dataset_fn({epoch}) -> "
                 f"{type(dataset).__name__}"
             )
-        batches = cardinality(dataset)
+        batches = num_batches(dataset)
         if 0 <= batches < self._steps_per_epoch:
             raise ValueError(
                 f"Every epoch must have the same number of batches ({self._steps_per_epoch}) "

@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfdp import batch as batch_lib
 from tfdp import checkpointing
 from tfdp import strategy as strategy_lib
 from tfdp._upstream import keras_fit_resume
@@ -211,7 +212,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"Received: dataset(0) -> {type(first).__name__}"
             )
         if steps_per_epoch is None:
-            cardinality = keras_fit_resume.cardinality(first)
+            cardinality = batch_lib.num_batches(first)
             if cardinality < 1:
                 kind = {-1: "infinite", -2: "unknown"}.get(cardinality, "zero")
                 raise ValueError(
