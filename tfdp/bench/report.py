@@ -193,6 +193,10 @@ def markdown(results: dict) -> str:
         lines += ["", f"## {title}", ""]
         status = _status_line(cases[name])
         lines += [status] if status else render(cases[name])
+        if cases[name].get("load_average_at_start"):
+            lines += ["", f"*Load average (1/5/15 min) when this case started: "
+                          f"{tuple(cases[name]['load_average_at_start'])}; it took "
+                          f"{cases[name].get('seconds', 0):.0f} s.*"]
         if name == "overhead" and results.get("breakdown"):
             lines += ["", "### Where a 2-worker step's time goes (ms per optimizer step)", "",
                       *_breakdown(results["breakdown"])]
@@ -253,6 +257,9 @@ def _plot(results: dict, path: str) -> None:
                             label="measured")
         allreduce_ax.loglog(sizes, [r["ring_lower_bound_seconds"] * 1000 for r in rows], "k:",
                             label="ring bound 2(n−1)/n·S/B")
+        latency = cases["allreduce"]["latency_seconds"]
+        allreduce_ax.loglog(sizes, [(latency + r["ring_lower_bound_seconds"]) * 1000 for r in rows],
+                            "k--", linewidth=0.8, label="smallest-message latency + bound")
         allreduce_ax.legend(fontsize=7)
     allreduce_ax.set(title="All-reduce latency (2 workers, ring)", xlabel="message bytes",
                      ylabel="ms")

@@ -101,6 +101,7 @@ class SuiteConfig:
         """The smoke-test sizes: every case, a few steps each (< 3 min on 2 cores)."""
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
+            paths=("keras_fit_n", "tfdp_fit", "trainer", "loop_n", "input"),
             accum_steps_timed=3, accum_steps=(1, 8), all_reduce_iterations=5,
             all_reduce_sizes=(4, 40_000, 4_000_000),
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),
@@ -116,15 +117,17 @@ class SuiteConfig:
 
 def _guarded(name: str, function: Callable[[], dict], log: Callable[[str], None]) -> dict:
     start = time.monotonic()
-    log(f"[tfdp.bench] {name}: running")
+    load = machine.load_average()
+    log(f"[tfdp.bench] {name}: running (load average {load})")
     try:
         result = function()
     except (procs.JobFailed, ValueError, KeyError, RuntimeError) as error:
         log(f"[tfdp.bench] {name}: FAILED after {time.monotonic() - start:.0f} s: {error}")
         return {"status": "error", "error": str(error),
-                "traceback": traceback.format_exc(limit=5)}
+                "traceback": traceback.format_exc(limit=5), "load_average_at_start": load}
     result.setdefault("status", "ok")
     result["seconds"] = round(time.monotonic() - start, 1)
+    result["load_average_at_start"] = load
     log(f"[tfdp.bench] {name}: {result['status']} in {result['seconds']:.0f} s"
         + (f" ({result['reason']})" if result.get("reason") else ""))
     return result
@@ -155,7 +158,9 @@ def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dic
     if runs["status"] == "ok":
         cases["scaling"] = scaling.summarize(runs["runs"])
         cases["overhead"] = overhead.summarize(runs["runs"])
-        cases["scaling"]["seconds"] = runs["seconds"]
+        for name in ("scaling", "overhead"):
+            cases[name]["seconds"] = runs["seconds"]
+            cases[name]["load_average_at_start"] = runs["load_average_at_start"]
     else:
         cases["scaling"] = cases["overhead"] = runs
     cases["peer_torch"] = peer_torch.compare(_guarded("peer_torch", lambda: peer_torch.run(
