@@ -62,20 +62,39 @@ class ChiefCheckpointManager:
         """Restores the newest checkpoint, if any; returns its path.
 
         Raises:
-            AssertionError from TensorFlow's status check is re-raised as
-            ValueError when the checkpoint does not match the objects (for
-            example a checkpoint of a different model in `directory`).
+            ValueError: the checkpoint does not match the objects (for
+                example a checkpoint of a different model in `directory`), or
+                it cannot be read (truncated or damaged files). Nothing in
+                `directory` is changed.
         """
         latest = self.latest_checkpoint
         if latest is None:
             return None
-        status = self._checkpoint.restore(latest)
+        try:
+            status = self._checkpoint.restore(latest)
+        except ValueError as error:  # e.g. a variable of another shape
+            raise self._mismatch(latest, error) from error
+        except (tf.errors.OpError, IndexError) as error:
+            # A truncated data file raises IndexError ("Read less bytes than
+            # requested") from the reader; a damaged index, an OpError.
+            raise ValueError(
+                f"The checkpoint {latest} cannot be read: it is damaged or "
+                f"incomplete ({type(error).__name__}: {error}). Nothing was changed. "
+                f"Move its files ({os.path.basename(latest)}.*) out of "
+                f"{self._directory} and edit the `checkpoint` file there to name an "
+                f"older checkpoint (or delete it to start over), or point model_dir "
+                f"at a new directory."
+            ) from error
         try:
             status.assert_existing_objects_matched()
         except AssertionError as error:
-            raise ValueError(
-                f"The checkpoint {latest} does not match this model and optimizer "
-                f"({error}). Point model_dir at a new directory, or at the "
-                f"checkpoints of this same model."
-            ) from error
+            raise self._mismatch(latest, error) from error
         return latest
+
+    @staticmethod
+    def _mismatch(path: str, error: Exception) -> ValueError:
+        return ValueError(
+            f"The checkpoint {path} does not match this model and optimizer "
+            f"({error}). Nothing was changed. Point model_dir at a new directory, "
+            f"or at the checkpoints of this same model."
+        )
