@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 
 import numpy as np
@@ -130,9 +131,13 @@ def prepare(data_dir: str | None = None) -> str:
         builder = Digits(data_dir=data_dir)  # Re-check: another process may have won.
         if not builder.is_prepared():
             logging.info("pipelines: writing the digits dataset to %s", data_dir)
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(
-                    num_shards=NUM_SHARDS, try_download_gcs=False
+            # TFDS prints "Downloading and preparing ..." to stdout: whichever
+            # worker wins the lock would print it, and only the chief may
+            # print. The log line above says the same.
+            with contextlib.redirect_stdout(io.StringIO()):
+                builder.download_and_prepare(
+                    download_config=tfds.download.DownloadConfig(
+                        num_shards=NUM_SHARDS, try_download_gcs=False
+                    )
                 )
-            )
     return data_dir

@@ -74,3 +74,9 @@ def test_digits_pipeline_shards_by_file(split, digits_dir):
         global_batch=32, training=split == "train",
     )
     assert dataset.pipeline_info.shard_mode == "file"
+
+
+def test_preparing_prints_nothing_on_stdout(tmp_path, capfd):
+    # Whichever worker prepares the data must stay quiet: only the chief prints.
+    pipelines.prepare_digits(str(tmp_path))
+    assert capfd.readouterr().out == ""
