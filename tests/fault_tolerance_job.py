@@ -9,7 +9,9 @@ Run under `python -m launch --nproc_per_node N [--max_restarts K]` as
   `SAVE_EVERY` steps). Both keep their state in `OUT_DIR/model`.
 - KILLS: comma-separated `ATTEMPT:STEP` pairs (or `-`): on launch attempt
   ATTEMPT (`TFDP_RESTART_COUNT`), the last worker SIGKILLs itself just before
-  it trains optimizer step STEP (1-based).
+  it trains optimizer step STEP (1-based). `ATTEMPT:STEP:save` instead kills
+  the chief in the middle of saving the checkpoint of step STEP: after its
+  files are written, before TensorFlow's `checkpoint` state file names it.
 
 Every worker appends one JSON line per trained batch to
 `OUT_DIR/seen-RANK.jsonl`: `{"attempt", "step", "ids"}`; example ids encode
@@ -59,9 +61,33 @@ class Worker:
         self.rank = int(os.environ["TFDP_RANK"])
         self.last_rank = int(os.environ["TFDP_WORLD_SIZE"]) - 1
         self.attempt = int(os.environ.get("TFDP_RESTART_COUNT", "0"))
-        plan = dict(tuple(map(int, kill.split(":"))) for kill in kills.split(",") if kill != "-")
-        self.kill_at = plan.get(self.attempt) if self.rank == self.last_rank else None
+        self.kill_at = self.kill_in_save = None
+        for kill in kills.split(","):
+            if kill == "-":
+                continue
+            attempt, step, *where = kill.split(":")
+            if int(attempt) != self.attempt:
+                continue
+            if where == ["save"] and self.rank == 0:
+                self.kill_in_save = int(step)
+            elif not where and self.rank == self.last_rank:
+                self.kill_at = int(step)
         self.step = 0  # the optimizer step the next batch trains
+        if self.kill_in_save is not None:
+            self._arm_kill_in_save()
+
+    def _arm_kill_in_save(self) -> None:
+        import tensorflow as tf
+
+        record_state = tf.train.CheckpointManager._record_state
+        kill_in_save = self.kill_in_save
+
+        def record_state_or_die(manager):
+            if manager.latest_checkpoint.endswith(f"ckpt-{kill_in_save}"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            record_state(manager)
+
+        tf.train.CheckpointManager._record_state = record_state_or_die
 
     def started_at(self, step: int) -> None:
         self.step = step

@@ -94,6 +94,18 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_stopped(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, loop):
+    result = _launch(tmp_path, loop, "0:6:save", max_restarts=1)
+    assert result.returncode == 0, result.describe()
+    # The chief died with ckpt-6's files written but not yet recorded as the
+    # latest: the restart used ckpt-4, and trained steps 5 and 6 again.
+    assert _start_step(tmp_path, 1) == 4
+    _assert_finished_like_an_uninterrupted_run(tmp_path, nproc=2)
+    _assert_each_example_once_per_epoch(_surviving_ids(tmp_path, attempts=2))
+
+
+@pytest.mark.slow
 def test_three_failures_then_success_with_max_restarts_3(tmp_path):
     result = _launch(tmp_path, "custom", "0:5,1:9,2:14", max_restarts=3)
     assert result.returncode == 0, result.describe()
