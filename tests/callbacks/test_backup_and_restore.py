@@ -252,9 +252,12 @@ def _different_model():
 
 
 @pytest.mark.parametrize("change, match", [
-    ("model", r"holds a checkpoint \(ckpt-4\) that does not match this model and optimizer"),
+    ("model", r"holds a checkpoint \(ckpt-4\) that cannot be restored into this model and "
+              r"optimizer: The checkpoint .* does not match"),
     ("batch_size", r"written with 6 steps per epoch; this fit has 4"),
     ("not_ours", r"holds a checkpoint \(ckpt-1\) that BackupAndRestore did not write"),
+    ("truncated", r"holds a checkpoint \(ckpt-4\) that (cannot be read: it is damaged|"
+                  r"cannot be restored .* damaged or incomplete)"),
 ])
 def test_a_backup_of_another_run_is_refused_untouched(change, match, tmp_path):
     backup_dir = tmp_path / "backup"
@@ -266,6 +269,9 @@ def test_a_backup_of_another_run_is_refused_untouched(change, match, tmp_path):
         with pytest.raises(Interrupted):
             model.fit(backup.wrap(bt.dataset_for_epoch), epochs=2, verbose=0,
                       callbacks=[backup, InterruptAt(4)])
+    if change == "truncated":  # e.g. a disk that filled up
+        data = next(backup_dir.glob("ckpt-4.data-*"))
+        data.write_bytes(data.read_bytes()[:16])
     before = _snapshot(backup_dir)
 
     if change == "model":

@@ -375,6 +375,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             try:
                 values[name] = int(tf.train.load_variable(
                     path, f"progress/{name}/.ATTRIBUTES/VARIABLE_VALUE"))
+            except IndexError as error:  # a truncated data file
+                self._refuse(
+                    f"holds a checkpoint ({os.path.basename(path)}) that cannot be read: "
+                    f"it is damaged or incomplete ({error}).", error)
             except (tf.errors.OpError, ValueError) as error:
                 self._refuse(
                     f"holds a checkpoint ({os.path.basename(path)}) that BackupAndRestore "
@@ -408,9 +412,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         try:
             self._manager.restore_latest()
         except (ValueError, tf.errors.OpError) as error:
+            # ChiefCheckpointManager says whether it does not match or is damaged.
             self._refuse(
-                f"holds a checkpoint ({os.path.basename(path)}) that does not match this "
-                f"model and optimizer ({error}).", error)
+                f"holds a checkpoint ({os.path.basename(path)}) that cannot be restored "
+                f"into this model and optimizer: {error}", error)
         self._step = self._last_saved_step = values["step"]
         if self._info.is_chief:
             logging.info(
