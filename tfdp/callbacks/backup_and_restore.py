@@ -11,7 +11,8 @@ when training completes. It does not own:
   under MultiWorkerMirroredStrategy, writing into a temporary directory they
   delete);
 - the step every worker saves at after a SIGTERM, and the exit:
-  `tfdp.callbacks._preemption`;
+  `tfdp.preemption`;
+- refusing to save non-finite weights: `tfdp.nonfinite`;
 - the Keras internals that let `fit` start at epoch e, batch b:
   `tfdp._upstream.keras_fit_resume`.
 
@@ -33,11 +34,12 @@ from absl import logging
 
 from tfdp import batch as batch_lib
 from tfdp import checkpointing
+from tfdp import nonfinite
+from tfdp import preemption
 from tfdp import strategy as strategy_lib
 from tfdp._upstream import keras_fit_resume
-from tfdp.callbacks import _preemption
 
-PREEMPTION_EXIT_CODE = _preemption.PREEMPTION_EXIT_CODE
+PREEMPTION_EXIT_CODE = preemption.PREEMPTION_EXIT_CODE
 
 DatasetSource = Union[tf.data.Dataset, Callable[[int], tf.data.Dataset]]
 
@@ -268,12 +270,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         keras_fit_resume.set_initial_epoch(model, epoch)
 
         if self.save_on_sigterm:
-            self._watcher = _preemption.PreemptionWatcher(
+            self._watcher = preemption.PreemptionWatcher(
                 strategy=strategy,
                 checkpoint=self._checkpoint,
                 directory=self.backup_dir,
                 save_fn=self._save_on_sigterm,
                 exit_code=self.exit_code,
+                owner="tfdp BackupAndRestore",
             )
             self._watcher.start()
         self._training = True
@@ -434,6 +437,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             "step": self._step,
             "steps_per_epoch": self._steps_per_epoch or -1,
         }
+        # Every worker holds the same weights, so all refuse alike.
+        nonfinite.check_finite_before_save(
+            [*self.model.weights, *self.model.optimizer.variables], step=self._step,
+            owner="tfdp BackupAndRestore", last_saved=self._manager.latest_checkpoint,
+        )
         for name, value in values.items():
             self._progress[name].assign(value)
         path = self._manager.save(self._step)

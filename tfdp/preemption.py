@@ -3,7 +3,10 @@
 This module owns one decision: after which training step a SIGTERM'd job
 saves and exits, so that every worker saves the same step (a save under
 MultiWorkerMirroredStrategy is a collective) and then exits with a known code.
-What is saved, and where, is the caller's (`save_fn`).
+What is saved, and where, is the caller's (`save_fn`): `tfdp.Trainer` saves
+its checkpoint, `tfdp.callbacks.BackupAndRestore` its backup; one "step" is
+one call of `step_end()`, which both make after each `tf.function` call
+(`steps_per_loop` / `steps_per_execution` optimizer steps).
 
 - One worker (default strategy, OneDevice, MirroredStrategy): a SIGTERM
   handler sets a flag; the next `step_end()` saves and exits.
@@ -60,6 +63,8 @@ class PreemptionWatcher:
         directory: the directory the chief saves into.
         save_fn: saves the current training state; called on every worker.
         exit_code: the process exits with this status after the save.
+        owner: who is saving, at the start of every log line. Defaults to
+            `"tfdp"`.
     """
 
     def __init__(
@@ -70,8 +75,10 @@ class PreemptionWatcher:
         directory: str,
         save_fn: Callable[[], None],
         exit_code: int = PREEMPTION_EXIT_CODE,
+        owner: str = "tfdp",
     ):
         self._strategy = strategy
+        self._owner = owner
         self._checkpoint = checkpoint
         self._directory = directory
         self._save_fn = save_fn
@@ -85,8 +92,8 @@ class PreemptionWatcher:
         """Installs the SIGTERM handling (from the main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             logging.warning(
-                "tfdp BackupAndRestore: fit is not running on the main thread, so "
-                "SIGTERM cannot be watched; a SIGTERM will not save a checkpoint."
+                "%s: training is not running on the main thread, so SIGTERM cannot "
+                "be watched; a SIGTERM will not save a checkpoint.", self._owner
             )
             return
         self._previous = signal.getsignal(signal.SIGTERM)
@@ -102,9 +109,9 @@ class PreemptionWatcher:
                 # On Google Cloud it watches maintenance events (GPU VMs) or
                 # nothing (CPU/TPU VMs) instead; keep it for the former.
                 logging.warning(
-                    "tfdp BackupAndRestore: PreemptionCheckpointHandler watches no "
-                    "SIGTERM on this platform (a Google Cloud VM); a SIGTERM will not "
-                    "save a checkpoint."
+                    "%s: PreemptionCheckpointHandler watches no SIGTERM on this "
+                    "platform (a Google Cloud VM); a SIGTERM will not save a checkpoint.",
+                    self._owner,
                 )
         else:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -112,14 +119,14 @@ class PreemptionWatcher:
 
     def _on_sigterm(self, signum, frame):
         del signum, frame
-        logging.warning("tfdp BackupAndRestore: SIGTERM received; saving after this step.")
+        logging.warning("%s: SIGTERM received; saving after this step.", self._owner)
         self._sigterm.set()
 
     def _exit(self):
         self._sigterm.clear()  # handled
         self.stop()
         logging.warning(
-            "tfdp BackupAndRestore: saved after SIGTERM; exiting with code %d.", self._exit_code
+            "%s: saved after SIGTERM; exiting with code %d.", self._owner, self._exit_code
         )
         sys.stdout.flush()
         sys.stderr.flush()
@@ -146,8 +153,8 @@ class PreemptionWatcher:
         self._installed = False
         if self._sigterm.is_set():
             logging.warning(
-                "tfdp BackupAndRestore: SIGTERM arrived after the last training step; "
-                "training completed, so nothing was saved for it."
+                "%s: SIGTERM arrived after the last training step; training "
+                "completed, so nothing was saved for it.", self._owner
             )
         # A handler TensorFlow installed in C++ reads back as None; SIG_DFL is
         # then the closest to "not ours".
