@@ -22,7 +22,8 @@ once per micro-batch and so count once per step after the average: the result
 does not depend on the number of replicas or on `accum_steps`.
 
 This module owns the accumulating train step and `compile`; batch arithmetic is
-in `tfdp.batch`, datasets in `pipelines`.
+in `tfdp.batch`, datasets in `pipelines`, skipping steps with a NaN or Inf loss
+or gradient (on by default) in `tfdp.nonfinite`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfdp import nonfinite as nonfinite_lib
 from tfdp import strategy as strategy_lib
 from tfdp._upstream import keras_train_function
 from tfdp._upstream import keras_train_step
-from tfdp._upstream import loss_scale
 
 
 def _check_accum_steps(accum_steps) -> None:
@@ -148,10 +149,14 @@ def accumulating_train_step(model: keras.Model, accum_steps: int, data: Any) -> 
         warnings.warn("The model does not have any trainable weights.")
         return model.get_metrics_result()
 
+    guarded = nonfinite_lib.guard_of(model.optimizer) is not None
+
     def micro_batch_loss(micro_batch):
         x, y, sample_weight = micro_batch
         y_pred, scaled_loss = keras_train_step.forward_and_loss(model, x, y, sample_weight)
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if guarded:  # a non-finite loss makes a gradient NaN: the step is skipped
+            scaled_loss = nonfinite_lib.fold_loss_into_gradients(scaled_loss, variables)
         return scaled_loss
 
     summed = sum_micro_batch_gradients(
@@ -172,6 +177,8 @@ def compile(  # pylint: disable=redefined-builtin
     accum_steps: int = 1,
     steps_per_execution: int = 1,
     jit_compile: bool = False,
+    nonfinite: str | None = "skip",
+    max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
     **compile_kwargs,
 ) -> keras.Model:
     """`model.compile` with gradient accumulation that works under any strategy.
@@ -180,6 +187,19 @@ def compile(  # pylint: disable=redefined-builtin
     gradient all-reduce) per global batch; each replica's share of the global
     batch is processed in `accum_steps` micro-batches. Call it inside
     `strategy.scope()` as you would `model.compile`.
+
+    **Non-finite steps.** With `nonfinite="skip"` (the default) the optimizer
+    is wrapped (`tfdp.nonfinite.NonFiniteGuard`, or
+    `NonFiniteLossScaleOptimizer` under `mixed_float16`): a step whose
+    gradients (with `accum_steps > 1`, also loss) hold a NaN or Inf on any
+    replica is skipped by every replica and worker alike, leaving weights,
+    slots and `model.optimizer.iterations` unchanged, and counted in
+    `model.optimizer.skipped_steps` (checkpointed with the optimizer). After
+    `max_consecutive_nonfinite` in a row, `fit` raises
+    `tfdp.nonfinite.NonFiniteError`. `"raise"` raises at the first (never
+    applying it); `None` keeps Keras' behaviour. Keras still logs the loss of
+    a skipped step (NaN) in the epoch's mean, and `BackupAndRestore` counts
+    it as a step (its position is in batches).
 
     Args:
         model: the Keras model.
@@ -192,6 +212,10 @@ def compile(  # pylint: disable=redefined-builtin
         steps_per_execution: optimizer steps per `tf.function` call. Defaults
             to 1.
         jit_compile: compile the train step with XLA. Defaults to `False`.
+        nonfinite: `"skip"`, `"raise"` or `None` (see above). Defaults to
+            `"skip"`.
+        max_consecutive_nonfinite: with `"skip"`, stop after this many
+            skipped steps in a row. Defaults to 10.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 
     Returns:
@@ -199,7 +223,8 @@ def compile(  # pylint: disable=redefined-builtin
 
     Raises:
         ValueError: `accum_steps` or `steps_per_execution` is not a positive
-            integer, the optimizer sets `gradient_accumulation_steps`, or
+            integer, `nonfinite` or `max_consecutive_nonfinite` is invalid,
+            the optimizer sets `gradient_accumulation_steps`, or
             `jit_compile=True` under a strategy where XLA cannot run (see
             `tfdp.strategy.check_jit_compile_supported`).
     """
@@ -213,6 +238,7 @@ def compile(  # pylint: disable=redefined-builtin
             "`steps_per_execution` must be a positive integer. "
             f"Received: steps_per_execution={steps_per_execution!r}"
         )
+    nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite)
     if jit_compile:
         strategy_lib.check_jit_compile_supported(model.distribute_strategy)
     keras_accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
@@ -223,12 +249,16 @@ def compile(  # pylint: disable=redefined-builtin
             "(keras-team/keras#20582). Remove it from the optimizer and pass "
             f"accum_steps={keras_accumulation} to tfdp.compile instead."
         )
-    if model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
+    loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
         "auto_scale_loss", True
-    ):
-        # What Keras' compile would do, with replicas that agree on skipping
-        # an overflowing step (see tfdp._upstream.loss_scale).
-        optimizer = loss_scale.with_consistent_loss_scaling(keras.optimizers.get(optimizer))
+    )
+    if loss_scaling or nonfinite is not None:
+        # Under mixed_float16, what Keras' compile would do, with replicas
+        # that agree on skipping an overflowing step (tfdp._upstream.loss_scale).
+        optimizer = nonfinite_lib.wrap_optimizer(
+            optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
+            loss_scaling=loss_scaling,
+        )
     model.compile(
         optimizer=optimizer,
         loss=loss,
@@ -245,5 +275,10 @@ def compile(  # pylint: disable=redefined-builtin
         del model.train_step  # re-compiled without accumulation
     # steps_per_execution > 1: reduce the logs once per execution, not per step.
     keras_train_function.install(model, tfdp_step=accum_steps > 1)
+    if nonfinite_lib.guard_of(model.optimizer) is not None:
+        # After every execution: log skips, stop at the limit.
+        nonfinite_lib.install_fit_check(
+            model, log=strategy_lib.strategy_info(model.distribute_strategy).is_chief
+        )
     model.tfdp_accum_steps = accum_steps
     return model

@@ -486,6 +486,8 @@ class StepMonitor:
 
     def _read(self) -> tuple[int, int, int]:
         guard = self._guard
+        if not guard.built:  # fit builds it in its first step
+            return 0, 0, 0
         return (
             int(keras.ops.convert_to_numpy(guard.skipped_steps)),
             int(keras.ops.convert_to_numpy(guard.consecutive_skipped_steps)),
@@ -536,36 +538,30 @@ class StepMonitor:
 def install_fit_check(model: keras.Model, *, log: bool) -> None:
     """Makes `model.fit` stop with `NonFiniteError` at the limit (and log skips).
 
-    Wraps the train function Keras builds (after any tfdp replacement of it,
-    `tfdp._upstream.keras_train_function`): after every execution
-    (`steps_per_execution` steps) it reads the optimizer's counters. Call it
-    after `model.compile`, with `model.optimizer` a wrapper from here.
+    Sets `model.train_function` to a function that builds the real one on
+    its first call (through `model.make_train_function(force=True)`: Keras'
+    own, or tfdp's replacement from `tfdp._upstream.keras_train_function`)
+    and, after every execution (`steps_per_execution` steps), reads the
+    optimizer's counters. Keras' `make_train_function` returns an existing
+    `train_function` as it is, and `compile` resets it. Call it right after
+    `model.compile`, with `model.optimizer` a wrapper from this module.
 
     Args:
         model: the compiled model.
         log: log skipped steps (the chief only).
     """
-    guard = guard_of(model.optimizer)
-    build = model.make_train_function
+    monitor = StepMonitor(guard_of(model.optimizer), owner="tfdp fit", log=log)
+    built = None
 
-    def make_train_function(force=False):
-        function = build(force=force)
-        if getattr(function, "_tfdp_nonfinite_checked", False):
-            return function
-        monitor = StepMonitor(guard, owner="tfdp fit", log=log)
-        primed = []
+    def checked(iterator):
+        nonlocal built
+        if built is None:
+            model.make_train_function(force=True)
+            built = model.train_function
+            model.train_function = checked
+            monitor.prime()  # after fit's on_train_begin, so after any restore
+        logs = built(iterator)
+        monitor.check()
+        return logs
 
-        def checked(iterator):
-            if not primed:  # after any restore in on_train_begin
-                monitor.prime()
-                primed.append(True)
-            logs = function(iterator)
-            monitor.check()
-            return logs
-
-        checked._tfdp_nonfinite_checked = True  # pylint: disable=protected-access
-        model.train_function = checked
-        return checked
-
-    model.make_train_function = make_train_function
-
+    model.train_function = checked

@@ -4,13 +4,17 @@
 `tf.function` that runs `steps_per_loop` optimizer steps per call) and the
 outer loop (epochs, logging, TensorBoard summaries, checkpoints, resuming).
 Gradient accumulation comes from `tfdp.accumulation`, batch arithmetic from
-`tfdp.batch`, chief-only checkpoint writing from `tfdp.checkpointing`; input
-pipelines are the caller's (`pipelines.make_dataset`, or any dataset).
+`tfdp.batch`, chief-only checkpoint writing from `tfdp.checkpointing`, the
+save-and-exit on SIGTERM from `tfdp.preemption` (shared with the `fit`
+callback), skipping non-finite steps from `tfdp.nonfinite`; input pipelines are
+the caller's (`pipelines.make_dataset`, or any dataset).
 
 Resuming exactly. TensorFlow 2.21 cannot put a distributed iterator into a
 `tf.train.Checkpoint` (tensorflow/tensorflow#56372), so the input position is
-restored another way: the checkpoint holds the optimizer step, and the epoch
-and the position inside it follow from `steps_per_epoch`; the dataset for an
+restored another way: the checkpoint holds the optimizer step and the number
+of skipped non-finite steps, whose sum is the number of global batches
+consumed; the epoch and the position inside it follow from `steps_per_epoch`;
+the dataset for an
 epoch is rebuilt (`dataset(epoch)` when `dataset` is a callable, whose order
 must depend only on its seed and the epoch) and the batches already consumed
 are skipped. A resumed run then sees each example exactly once per epoch and
@@ -29,8 +33,9 @@ from absl import logging
 
 from tfdp import accumulation
 from tfdp import checkpointing
+from tfdp import nonfinite as nonfinite_lib
+from tfdp import preemption
 from tfdp import strategy as strategy_lib
-from tfdp._upstream import loss_scale
 from tfdp import batch as batch_lib
 from tfdp.batch import BatchConfig
 
@@ -91,6 +96,34 @@ class Trainer:
     Build the model (and any metric objects you pass) inside
     `strategy.scope()`; the trainer creates the optimizer's slots there too.
 
+    **Steps.** A training step is one global batch. `train(steps=...)`,
+    epochs, `global_step`, `checkpoint_every` and checkpoint numbers count
+    training steps, skipped ones included; `optimizer.iterations` (and so
+    learning-rate schedules) counts the updates applied:
+    `global_step == optimizer.iterations + skipped_steps`.
+
+    **SIGTERM.** With a `model_dir`, a SIGTERM makes every worker save a
+    checkpoint after the same training step (the end of the `steps_per_loop`
+    call during which it arrived; under MultiWorkerMirroredStrategy the
+    workers agree on it through
+    `tf.distribute.experimental.PreemptionCheckpointHandler`, at most one call
+    later), only the chief writing to `model_dir`, and then the process exits
+    with status 42 (`tfdp.callbacks.PREEMPTION_EXIT_CODE`; `SystemExit` is
+    raised from `train`). Rerunning the same `train` call resumes from that
+    checkpoint exactly. `train` must run on the main thread for this.
+
+    **Non-finite steps.** With `nonfinite="skip"` (the default), a step whose
+    loss or gradients hold a NaN or Inf on any replica is skipped by every
+    replica and worker alike: weights, optimizer slots and
+    `optimizer.iterations` stay as they were, and `skipped_steps` counts it
+    (it is checkpointed). After `max_consecutive_nonfinite` skipped steps in a
+    row, `train` raises `tfdp.nonfinite.NonFiniteError` naming the steps and
+    the usual fixes. `"raise"` stops at the first one (never applying it);
+    `None` applies whatever the gradients are (Keras' behaviour). In every
+    mode a checkpoint whose weights are not finite is never written (`train`
+    raises `NonFiniteError` instead). The decision costs no collective (see
+    `tfdp.nonfinite`).
+
     Args:
         model: a built Keras model whose variables were created in
             `strategy.scope()`.
@@ -115,6 +148,15 @@ class Trainer:
             (and always at the end). `None` (default) saves only at the end.
         max_to_keep: checkpoints the chief keeps. Defaults to 3.
         jit_compile: compile each train step with XLA. Defaults to `False`.
+        nonfinite: `"skip"`, `"raise"` or `None`: what a step with a
+            non-finite loss or gradient does (see above). Defaults to
+            `"skip"`.
+        max_consecutive_nonfinite: with `"skip"`, stop after this many
+            skipped steps in a row. Under `mixed_float16`, a skip counts
+            toward it only once the loss scale is down to 1 (see
+            `tfdp.nonfinite.NonFiniteLossScaleOptimizer`). Defaults to 10.
+        save_on_sigterm: save and exit 42 on SIGTERM (needs `model_dir`).
+            Defaults to `True`.
 
     Raises:
         ValueError: an argument is invalid, the batch does not match the
@@ -135,6 +177,9 @@ class Trainer:
         checkpoint_every: int | None = None,
         max_to_keep: int = 3,
         jit_compile: bool = False,
+        nonfinite: str | None = "skip",
+        max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
+        save_on_sigterm: bool = True,
     ):
         if not isinstance(batch, BatchConfig):
             raise TypeError(
@@ -154,6 +199,7 @@ class Trainer:
         _check_positive("steps_per_loop", steps_per_loop)
         _check_positive("checkpoint_every", checkpoint_every, allow_none=True)
         _check_positive("max_to_keep", max_to_keep)
+        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite)
         if jit_compile:
             strategy_lib.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
@@ -195,23 +241,33 @@ class Trainer:
                 "`with strategy.scope():`."
             )
         with strategy.scope():
-            if keras.config.dtype_policy().name == "mixed_float16" or isinstance(
-                optimizer, keras.optimizers.LossScaleOptimizer
-            ):
-                optimizer = loss_scale.with_consistent_loss_scaling(optimizer)
+            # Under mixed_float16, a LossScaleOptimizer whose replicas agree
+            # on skipping a step (tfdp._upstream.loss_scale, tfdp.nonfinite).
+            optimizer = nonfinite_lib.wrap_optimizer(
+                optimizer, nonfinite=nonfinite,
+                max_consecutive_nonfinite=max_consecutive_nonfinite,
+                loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
+            )
             optimizer.build(model.trainable_variables)
             self._train_loss = keras.metrics.Mean(name="loss")
             self._eval_loss = keras.metrics.Mean(name="loss")
             self._train_metrics = [self._metric(m) for m in metrics or ()]
             self._eval_metrics = [self._metric(m, copy=True) for m in metrics or ()]
         self.optimizer = optimizer
+        self._guard = nonfinite_lib.guard_of(optimizer)
+        self._monitor = self._guard and nonfinite_lib.StepMonitor(
+            self._guard, owner="tfdp trainer", log=self.info.is_chief
+        )
+        self.save_on_sigterm = bool(save_on_sigterm)
 
+        self._checkpoint = None
         self._checkpoints = None
+        self._last_saved_step = None
         self._summary_writer = None
         if model_dir is not None:
-            checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+            self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
             self._checkpoints = checkpointing.ChiefCheckpointManager(
-                checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep
+                self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep
             )
             if self.info.is_chief:
                 self._summary_writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
@@ -272,13 +328,16 @@ class Trainer:
             self._train_loss.update_state(per_example, sample_weight=weights)
             for metric in self._train_metrics:
                 metric.update_state(my, y_pred, sample_weight=msw)
+            if self._guard is not None:  # a non-finite loss makes a gradient NaN
+                loss = nonfinite_lib.fold_loss_into_gradients(loss, variables)
             return self.optimizer.scale_loss(loss)
 
         gradients = accumulation.sum_micro_batch_gradients(
             (x, y, sample_weight), self.batch.accum_steps, variables, micro_batch_loss
         )
         # Losses are already divided by the global batch: the all-reduce SUM
-        # inside apply_gradients completes the mean.
+        # inside apply_gradients completes the mean. A non-finite step is
+        # skipped there, on every replica alike (tfdp.nonfinite).
         self.optimizer.apply_gradients(zip(gradients, variables))
 
     def _step_fn(self, data):
@@ -322,14 +381,28 @@ class Trainer:
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken so far (restored with a checkpoint)."""
-        return int(self.optimizer.iterations.numpy())
+        """Training steps (global batches) taken so far, skipped ones included.
+
+        `optimizer.iterations` plus `skipped_steps`; restored with a
+        checkpoint.
+        """
+        return int(self.optimizer.iterations.numpy()) + self.skipped_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient (0 with `nonfinite=None`)."""
+        if self._guard is None:
+            return 0
+        return int(keras.ops.convert_to_numpy(self._guard.skipped_steps))
 
     def restore(self) -> str | None:
         """Restores the latest checkpoint in `model_dir`, if any; returns its path."""
         if self._checkpoints is None:
             return None
-        return self._checkpoints.restore_latest()
+        path = self._checkpoints.restore_latest()
+        if path:
+            self._last_saved_step = self.global_step
+        return path
 
     def train(
         self,
@@ -339,10 +412,11 @@ class Trainer:
         epochs: int | None = None,
         steps_per_epoch: int | None = None,
     ) -> dict:
-        """Trains until `steps` optimizer steps (or `epochs` epochs) in total.
+        """Trains until `steps` training steps (or `epochs` epochs) in total.
 
         Resumes from the latest checkpoint in `model_dir` first, so running
-        the same call again after an interruption finishes the same run.
+        the same call again after an interruption (a crash, or the exit 42
+        after a SIGTERM) finishes the same run.
 
         Args:
             dataset: a `tf.data.Dataset` of global batches, a distributed
@@ -351,24 +425,30 @@ class Trainer:
                 only on its seed and `epoch`. A plain dataset is iterated
                 again each epoch, which resumes exactly only if it yields the
                 same order every time.
-            steps: total optimizer steps to reach (counting restored ones).
+            steps: total training steps (global batches, skipped ones
+                included) to reach, counting restored ones.
             epochs: total epochs to reach; needs `steps_per_epoch` or a
                 dataset of known cardinality.
-            steps_per_epoch: optimizer steps per epoch. Defaults to the
+            steps_per_epoch: training steps per epoch. Defaults to the
                 dataset's cardinality.
 
         Returns:
-            `{"loss", <metric names>..., "steps", "epochs",
+            `{"loss", <metric names>..., "steps", "epochs", "skipped_steps",
             "examples_per_second"}`: metrics over the last epoch's steps run
-            by this call, totals, and this call's throughput.
+            by this call (a skipped step's NaN loss included), totals, and
+            this call's throughput.
 
         Raises:
             ValueError: neither or both of `steps` / `epochs`, or the steps
                 per epoch cannot be determined.
+            tfdp.nonfinite.NonFiniteError: `max_consecutive_nonfinite` steps
+                in a row were not finite, or a checkpoint would have held
+                non-finite weights (none is written).
+            SystemExit: with status 42, after the checkpoint saved on SIGTERM.
         """
         if (steps is None) == (epochs is None):
             raise ValueError(
-                "Pass exactly one of `steps` (total optimizer steps) or `epochs`. "
+                "Pass exactly one of `steps` (total training steps) or `epochs`. "
                 f"Received: steps={steps!r}, epochs={epochs!r}"
             )
         _check_positive("steps", steps, allow_none=True)
@@ -402,7 +482,18 @@ class Trainer:
                 tf.summary.scalar("batch/accum_steps", self.batch.accum_steps)
                 tf.summary.scalar("batch/global", self.batch.global_batch)
 
+        watcher = self._start_watching_sigterm()
+        try:
+            logs = self._train_steps(dataset_for_epoch, global_step, total_steps, steps_per_epoch)
+        finally:
+            if watcher is not None:
+                watcher.stop()
+        return logs
+
+    def _train_steps(self, dataset_for_epoch, global_step, total_steps, steps_per_epoch) -> dict:
         start_step, start_time = global_step, time.perf_counter()
+        if self._monitor is not None:
+            self._monitor.prime()
         logs: dict = {}
         while global_step < total_steps:
             epoch, offset = divmod(global_step, steps_per_epoch)
@@ -418,19 +509,24 @@ class Trainer:
                 elapsed = time.perf_counter() - loop_start
                 offset += num
                 global_step += num
+                if self._monitor is not None:
+                    # Raises at the limit, before anything is saved.
+                    self._check_steps(self._monitor.check(), global_step)
                 self._log_progress(global_step, total_steps, logs, num * self.batch.global_batch / elapsed)
                 if self.checkpoint_every and global_step % self.checkpoint_every == 0:
                     self._save(global_step)
-        if self._checkpoints is not None and (
-            not self.checkpoint_every or global_step % self.checkpoint_every
-        ) and global_step > start_step:
-            self._save(global_step)
+                self._position = global_step
+                if self._watcher is not None:  # every worker, after every call
+                    self._watcher.step_end()
+        if self._checkpoints is not None and global_step > start_step:
+            self._save(global_step)  # unless already saved at this step
         elapsed = time.perf_counter() - start_time
         trained = global_step - start_step
         return {
             **logs,
             "steps": global_step,
             "epochs": global_step / steps_per_epoch,
+            "skipped_steps": self.skipped_steps,
             "examples_per_second": trained * self.batch.global_batch / elapsed if trained else 0.0,
         }
 
@@ -492,8 +588,44 @@ class Trainer:
                     tf.summary.scalar(name, value)
                 tf.summary.scalar("learning_rate", lr)
                 tf.summary.scalar("examples_per_second", examples_per_second)
+                if self._guard is not None:
+                    tf.summary.scalar("nonfinite/skipped_steps", self.skipped_steps)
+
+    def _check_steps(self, counted: int, expected: int) -> None:
+        """Checks that the optimizer counted every step this worker ran."""
+        if counted != expected:
+            raise RuntimeError(
+                f"tfdp trainer: after {expected} training steps the optimizer counts "
+                f"{counted} (optimizer.iterations + skipped_steps). Was the optimizer "
+                f"stepped outside this Trainer, or shared with another model?"
+            )
+
+    def _start_watching_sigterm(self):
+        """Starts the save-and-exit on SIGTERM, if asked for; returns the watcher."""
+        self._watcher = None
+        self._position = self.global_step
+        if not self.save_on_sigterm or self._checkpoints is None:
+            return None
+        self._watcher = preemption.PreemptionWatcher(
+            strategy=self.strategy,
+            checkpoint=self._checkpoint,
+            directory=self.model_dir,
+            save_fn=lambda: self._save(self._position),
+            owner="tfdp trainer",
+        )
+        self._watcher.start()
+        return self._watcher
 
     def _save(self, step: int):
+        """Saves the checkpoint of `step` (a collective: every worker calls it)."""
+        if step == self._last_saved_step:
+            return
+        # Every worker holds the same weights, so all refuse alike.
+        nonfinite_lib.check_finite_before_save(
+            [*self.model.weights, *self.optimizer.variables], step=step,
+            owner="tfdp trainer", last_saved=self._checkpoints.latest_checkpoint,
+        )
         path = self._checkpoints.save(step)
+        self._last_saved_step = step
         if path:
             logging.info("tfdp trainer: saved %s", path)
