@@ -27,6 +27,7 @@ malformed `host:port` strings and `ps` tasks (tfdp does not support
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -438,6 +439,38 @@ def _check_positive_int(value: Any, name: str) -> None:
         )
     if value < 1:
         raise ValueError(f"`{name}` must be >= 1. Received: {name}={value}")
+
+
+def port_in_use(port: int) -> str | None:
+    """Why `port` cannot be bound on all interfaces now, or `None` if it can.
+
+    Binds where TensorFlow's gRPC server will listen, whatever TF_CONFIG's
+    host part says (all interfaces: the dual-stack `[::]` where IPv6 exists,
+    and `0.0.0.0`), with `SO_REUSEADDR` as gRPC sets it, so a port left in
+    TIME_WAIT by a previous run counts as free. A process holding the port on
+    any one address (even 127.0.0.1) makes it in use.
+
+    Args:
+        port: a TCP port in [1, 65535].
+
+    Returns:
+        The operating system's reason (e.g. `"Address already in use"`), or
+        `None` when the port is free.
+    """
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this machine
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue  # IPv6 present but disabled: nothing to bind there
+                return e.strerror or str(e)
+    return None
 
 
 def free_ports(n: int, *, host: str = "127.0.0.1") -> list[int]:

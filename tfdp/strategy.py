@@ -19,6 +19,7 @@ from absl import logging
 
 from tfdp import cluster as cluster_lib
 from tfdp import slurm
+from tfdp import startup
 
 KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "collective")
@@ -42,6 +43,9 @@ class StrategyPlan:
             pack per gradient dtype group, TensorFlow's default).
         timeout_seconds: for `multi_worker`: collective timeout in seconds, or
             `None` to wait forever.
+        startup_timeout: for `multi_worker`: seconds every worker waits for
+            all the others to start, or `None` for TensorFlow's own wait (an
+            hour).
         warnings: fallbacks taken, each logged once when the strategy is built.
         num_replicas: replicas in sync the strategy will have, over all
             workers (known before it is built, to validate batch sizes before
@@ -55,6 +59,7 @@ class StrategyPlan:
     communication: str | None = None
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
+    startup_timeout: float | None = None
     warnings: tuple[str, ...] = ()
     num_replicas: int = 1
 
@@ -122,6 +127,7 @@ def plan_strategy(
     communication: str = "auto",
     bytes_per_pack: int = 0,
     timeout_seconds: float | None = None,
+    startup_timeout: float | None = None,
 ) -> StrategyPlan:
     """Decides which strategy to build, from arguments and visible hardware.
 
@@ -135,6 +141,8 @@ def plan_strategy(
             is no cluster.
         cpu_replicas, cross_device_ops, num_packs, communication,
             bytes_per_pack, timeout_seconds: see `make_strategy`.
+        startup_timeout: seconds, or `None` (TensorFlow's own wait); unlike
+            `make_strategy`, no environment variable is read here.
 
     Returns:
         A `StrategyPlan`.
@@ -160,6 +168,8 @@ def plan_strategy(
             "`timeout_seconds` must be a positive number of seconds or None "
             f"(wait forever). Received: timeout_seconds={timeout_seconds!r}"
         )
+    if startup_timeout is not None:
+        startup.check_seconds("startup_timeout", startup_timeout)
     if cpu_replicas is not None and cpu_replicas > 1 and num_gpus > 0:
         raise ValueError(
             f"`cpu_replicas` splits the CPU into logical devices for testing "
@@ -223,6 +233,7 @@ def plan_strategy(
             communication=communication,
             bytes_per_pack=bytes_per_pack,
             timeout_seconds=timeout_seconds,
+            startup_timeout=startup_timeout,
             warnings=tuple(warnings),
             num_replicas=num_workers * max(num_gpus, 1),
         )
@@ -351,12 +362,40 @@ def _cluster_resolver(environ: Mapping[str, str]):
     return None
 
 
+def _cluster_config(environ: Mapping[str, str]) -> cluster_lib.ClusterConfig | None:
+    """This job's cluster: TF_CONFIG, else a Slurm job step of several tasks, else None."""
+    config = cluster_lib.parse_tf_config(environ=environ)
+    return _slurm_cluster(environ) if config is None else config
+
+
 def _num_workers(environ: Mapping[str, str]) -> int:
     """Workers in this job: from TF_CONFIG, else the Slurm job step, else 1."""
-    config = cluster_lib.parse_tf_config(environ=environ)
-    if config is None:
-        config = _slurm_cluster(environ)
+    config = _cluster_config(environ)
     return 1 if config is None else config.num_workers
+
+
+def _build_multi_worker(plan: StrategyPlan) -> tf.distribute.Strategy:
+    """MultiWorkerMirroredStrategy, failing fast and plainly when workers cannot meet.
+
+    Before TensorFlow binds: this task's own port must be free. While the
+    constructor waits for the other workers: a start-up deadline
+    (`plan.startup_timeout`, through TensorFlow's coordination service), and
+    TensorFlow's errors become `tfdp.startup.StartupError`s naming the
+    workers that did not answer (see `tfdp.startup`).
+    """
+    from tfdp._upstream import coordination
+
+    config = _cluster_config(os.environ)
+    if config is not None and config.task_type in cluster_lib.TRAINING_TASK_TYPES:
+        startup.check_own_port(config)
+        if plan.startup_timeout is not None:
+            coordination.configure_startup_deadline(
+                config.cluster, config.task_type, plan.startup_timeout)
+    with startup.explain_startup_failure(config, plan.startup_timeout):
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=_cluster_resolver(os.environ),
+            communication_options=_communication_options(plan),
+        )
 
 
 def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
@@ -383,17 +422,15 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
             devices=devices, cross_device_ops=_cross_device_ops(plan)
         )
     keras_multi_worker.apply()
-    return tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=_cluster_resolver(os.environ),
-        communication_options=_communication_options(plan),
-    )
+    return _build_multi_worker(plan)
 
 
 def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
     """`plan_strategy` for this host's GPUs and this job's cluster.
 
-    Reads the physical GPU list (without initialising TensorFlow's devices)
-    and TF_CONFIG or the Slurm environment (validating TF_CONFIG). Lets a
+    Reads the physical GPU list (without initialising TensorFlow's devices),
+    TF_CONFIG or the Slurm environment (validating TF_CONFIG), and
+    `TFDP_STARTUP_TIMEOUT` when `startup_timeout` is not given. Lets a
     program check batch sizes against `plan.num_replicas` before
     `make_strategy` starts any collective.
 
@@ -403,7 +440,12 @@ def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
 
     Returns:
         A `StrategyPlan`.
+
+    Raises:
+        ValueError: as `plan_strategy`, or `TFDP_STARTUP_TIMEOUT` is not a
+            positive number of seconds.
     """
+    kwargs["startup_timeout"] = startup.resolve_startup_timeout(kwargs.get("startup_timeout"))
     return plan_strategy(
         kind,
         num_gpus=len(tf.config.list_physical_devices("GPU")),
@@ -421,6 +463,7 @@ def make_strategy(
     bytes_per_pack: int = 0,
     timeout_seconds: float | None = None,
     num_packs: int = 1,
+    startup_timeout: float | None = None,
 ) -> tf.distribute.Strategy:
     """Builds the distribution strategy for this host and cluster.
 
@@ -454,6 +497,10 @@ def make_strategy(
             of waiting forever. Defaults to `None`.
         num_packs: MirroredStrategy with `"nccl"` or `"hierarchical_copy"`:
             number of packs gradients are concatenated into. Defaults to 1.
+        startup_timeout: MultiWorkerMirroredStrategy: seconds every worker
+            waits for all the others to start before failing with the
+            addresses that did not answer. Defaults to `None`: the
+            `TFDP_STARTUP_TIMEOUT` environment variable, else 120 s.
 
     Returns:
         A `tf.distribute.Strategy`. On the chief, its `strategy_info` is
@@ -464,6 +511,9 @@ def make_strategy(
             TF_CONFIG is malformed (the message names the field).
         RuntimeError: `cpu_replicas` was asked for after TensorFlow had
             already initialised its devices.
+        tfdp.startup.StartupError: MultiWorkerMirroredStrategy: this
+            worker's port is in use, or other workers did not answer within
+            `startup_timeout` (the message names their addresses).
 
     Example:
 
@@ -480,6 +530,7 @@ def make_strategy(
         communication=communication,
         bytes_per_pack=bytes_per_pack,
         timeout_seconds=timeout_seconds,
+        startup_timeout=startup_timeout,
     )
     if plan.kind == "mirrored" and plan.devices is not None:
         configure_cpu_devices(len(plan.devices))
