@@ -28,6 +28,7 @@ from tfdp import checkpointing
 from tfdp.callbacks import BackupAndRestore
 from tfdp import lr_schedules
 from tfdp import optimizers as tfdp_optimizers
+from tfdp import startup
 from tfdp import strategy as strategy_lib
 from tfdp.batch import BatchConfig
 from tfdp.run_config import ConfigError
@@ -178,6 +179,7 @@ def train_and_evaluate(
         cross_device_ops=config.cross_device_ops, communication=config.communication,
         bytes_per_pack=config.bytes_per_pack,
     )
+    startup.check_same_config(strategy, config.to_dict())  # every worker, same flags
     info = strategy_lib.strategy_info(strategy)
     if config.jit_compile:
         try:
