@@ -618,8 +618,8 @@ class Trainer:
 
     def _save(self, step: int):
         """Saves the checkpoint of `step` (a collective: every worker calls it)."""
-        if step == self._last_saved_step:
-            return
+        if self._checkpoints is None or step == self._last_saved_step:
+            return  # no model_dir (checkpoint_every alone saves nothing), or saved
         # Every worker holds the same weights, so all refuse alike.
         nonfinite_lib.check_finite_before_save(
             [*self.model.weights, *self.optimizer.variables], step=step,
