@@ -239,6 +239,31 @@ def test_cluster_config_validates_direct_construction():
                       rpc_layer=3)
 
 
+def test_this_host_named_twice_is_refused_before_tensorflow_starts():
+    # What a launcher or a hand-written TF_CONFIG gets wrong most often: two
+    # workers of this machine on one port. TensorFlow would start one server
+    # and hang the other worker; tfdp names both entries.
+    twice = ["127.0.0.1:2222", "127.0.0.1:2222"]
+    with pytest.raises(ValueError, match=r"must be unique.*'127.0.0.1:2222' is both "
+                                         r'cluster\["worker"\]\[0\] and cluster\["worker"\]\[1\]'):
+        ClusterConfig(cluster={"worker": twice}, task_type="worker", task_index=1)
+    with pytest.raises(ValueError, match="`ports` must be distinct"):
+        local_tf_config(2, 0, ports=[2222, 2222])
+
+
+def test_port_in_use_sees_a_port_held_on_any_one_address():
+    # TensorFlow binds all interfaces: a port held on loopback only is in use too.
+    for address in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as holder:
+            holder.bind((address, 0))
+            holder.listen()
+            assert "in use" in cluster_lib.port_in_use(holder.getsockname()[1])
+
+
+def test_port_in_use_passes_a_free_port():
+    assert cluster_lib.port_in_use(free_ports(1)[0]) is None
+
+
 def test_parse_keeps_rpc_layer_and_ignores_other_keys():
     config = parse_tf_config(_tf_config(TWO_WORKERS, rpc_layer="grpc",
                                         environment="cloud"))

@@ -1,6 +1,7 @@
 """Tests for tfdp.strategy: the strategy decision, building, and strategy_info."""
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,19 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tfdp import cluster as cluster_lib
+from tfdp import startup
 from tfdp import strategy as strategy_lib
+from tfdp._upstream import coordination
+
+
+@pytest.fixture(autouse=True)
+def _no_coordination_service_left_configured(monkeypatch):
+    """Tests that build a (recorded) multi-worker strategy configure this process's
+    coordination service; forget it, and read no start-up timeout from outside."""
+    monkeypatch.delenv(startup.STARTUP_TIMEOUT_ENV, raising=False)
+    yield
+    coordination.reset_for_tests()
 
 
 # --- plan_strategy: every branch, GPUs faked by count -----------------------
@@ -99,6 +112,8 @@ def test_plan_nccl_communication_falls_back_to_ring_without_gpus():
         (dict(bytes_per_pack=-1), "`bytes_per_pack` must be an integer >= 0"),
         (dict(timeout_seconds=0), "`timeout_seconds` must be a positive"),
         (dict(timeout_seconds="10"), "`timeout_seconds` must be a positive"),
+        (dict(startup_timeout=0), "`startup_timeout` must be a positive"),
+        (dict(startup_timeout=float("inf")), "`startup_timeout` must be a positive"),
         (dict(cpu_replicas=2, num_gpus=2), "this host has 2 GPU"),
         (dict(kind="mirrored", num_workers=2), "describes 2 workers"),
         (dict(kind="default", cpu_replicas=2), "Use kind='mirrored'"),
@@ -168,9 +183,11 @@ def _not_chief():
     return strategy_lib.StrategyInfo("X", 1, 0, False, 4, (), "nccl")
 
 
-def _two_worker_tf_config(index=0):
-    return json.dumps({"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]},
-                       "task": {"type": "worker", "index": index}})
+_PORTS = cluster_lib.free_ports(2)
+
+
+def _two_worker_tf_config(index=0, ports=_PORTS):
+    return json.dumps(cluster_lib.local_tf_config(2, index, ports=list(ports)))
 
 
 def test_auto_reads_a_multi_worker_tf_config_from_the_environment(monkeypatch):
@@ -219,7 +236,60 @@ def test_make_strategy_passes_communication_options_to_multi_worker(
         tf.distribute.experimental.CommunicationImplementation, expected)
     assert (options.bytes_per_pack, options.timeout_seconds) == (1 << 20, 30.0)
     assert built["resolver"].cluster_spec().as_dict() == {
-        "worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
+        "worker": [f"127.0.0.1:{port}" for port in _PORTS]}
+
+
+def _record_multi_worker(monkeypatch):
+    built = []
+    monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy",
+                        lambda **kwargs: built.append(kwargs) or "built")
+    monkeypatch.setattr(strategy_lib, "strategy_info", lambda s: _not_chief())
+    return built
+
+
+@pytest.mark.parametrize(
+    "argument, environ, expected",
+    [(None, None, startup.DEFAULT_STARTUP_TIMEOUT), (None, "7", 7.0), (4, "7", 4.0)],
+)
+def test_the_startup_timeout_plan_comes_from_the_argument_then_the_environment(
+    monkeypatch, argument, environ, expected
+):
+    monkeypatch.setenv("TF_CONFIG", _two_worker_tf_config())
+    if environ is not None:
+        monkeypatch.setenv(startup.STARTUP_TIMEOUT_ENV, environ)
+    assert strategy_lib.plan_from_environment(startup_timeout=argument).startup_timeout == expected
+
+
+def test_a_bad_startup_timeout_variable_fails_before_anything_is_built(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _two_worker_tf_config())
+    monkeypatch.setenv(startup.STARTUP_TIMEOUT_ENV, "later")
+    built = _record_multi_worker(monkeypatch)
+    with pytest.raises(ValueError, match="TFDP_STARTUP_TIMEOUT must be a positive"):
+        tfdp.make_strategy()
+    assert built == []
+
+
+def test_make_strategy_sets_the_startup_deadline_in_the_coordination_service(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _two_worker_tf_config(1))
+    built = _record_multi_worker(monkeypatch)
+    assert tfdp.make_strategy(startup_timeout=7.5) == "built" and len(built) == 1
+    service = coordination.context.context().coordination_service
+    assert service.cluster_register_timeout_in_ms == 7500
+    assert service.cluster_register_with_barrier
+    assert service.service_leader == "/job:worker/replica:0/task:0"
+    assert [(job.name, job.num_tasks) for job in service.coordinated_job_list] == [("worker", 2)]
+
+
+def test_make_strategy_refuses_a_taken_port_before_building(monkeypatch):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        monkeypatch.setenv("TF_CONFIG", _two_worker_tf_config(0, ports=(port, _PORTS[1])))
+        built = _record_multi_worker(monkeypatch)
+        with pytest.raises(startup.StartupError, match=f"cannot listen on port {port}"):
+            tfdp.make_strategy()
+    assert built == []
 
 
 def test_make_strategy_rejects_cpu_replicas_on_a_gpu_host(monkeypatch):

@@ -54,7 +54,7 @@ MAX_NAMED_FIELDS = 64
 #: Seconds to wait for a TCP connection when probing a peer's port.
 _PROBE_SECONDS = 1.0
 
-_TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+_TASK_NAME = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 _FIX_PORT = (
     "Free the port (stop the process that holds it; `ss -ltnp 'sport = :{port}'` "
     "shows it), or give the job other ports: `python -m launch` picks free ports "
@@ -157,9 +157,17 @@ def _listening(addresses: Sequence[str]) -> dict[str, bool]:
         return dict(zip(addresses, pool.map(probe, addresses)))
 
 
-def _first_line(error: BaseException) -> str:
-    message = getattr(error, "message", None) or str(error)
-    return message.strip().splitlines()[0] if message.strip() else type(error).__name__
+# Lines of a TensorFlow error that say where, not what.
+_NOISE = ("Graph execution error", "Detected at node", "File ", "[[", "The error could be",
+          "Additional GRPC", "RPC:", ":UNKNOWN:")
+
+
+def _summary(error: BaseException | str, limit: int = 300) -> str:
+    """The line of a TensorFlow error (or its text) that says what happened, shortened."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    useful = [line for line in lines if line and not line.startswith(_NOISE)]
+    text = useful[0] if useful else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # --- start-up: own port, peers that do not answer ------------------------------
@@ -170,8 +178,8 @@ def own_port(config: cluster_lib.ClusterConfig) -> int | None:
     return None if address is None else int(address.rpartition(":")[2])
 
 
-def check_own_port(config: cluster_lib.ClusterConfig) -> None:
-    """Raises when this task's own port is already taken on this machine.
+def check_own_port(config: cluster_lib.ClusterConfig | None) -> None:
+    """Raises when this training task's own port is already taken on this machine.
 
     TensorFlow's gRPC server listens on the port of this task's TF_CONFIG
     address on all interfaces (see `launch.nodes`), and fails with a bare
@@ -181,14 +189,15 @@ def check_own_port(config: cluster_lib.ClusterConfig) -> None:
     `explain_startup_failure` translates that error too.
 
     Args:
-        config: this job's cluster and this task.
+        config: this job's cluster and this task; `None` (no cluster) and
+            an evaluator (which starts no server) pass.
 
     Raises:
         StartupError: naming the port, the task and the fix.
     """
-    port = own_port(config)
-    if port is None:
+    if config is None or config.task_type not in cluster_lib.TRAINING_TASK_TYPES:
         return
+    port = own_port(config)
     reason = cluster_lib.port_in_use(port)
     if reason is not None:
         raise StartupError(_port_message(config, port, f"it is in use ({reason})"))
@@ -232,15 +241,15 @@ def unanswered_message(
         who = (f"{len(missing)} of the other {len(peers)} worker(s) did not answer{within}: "
                + "; ".join(described))
     else:
-        who = (f"the workers did not all join{within} (TensorFlow: "
-               f"{tensorflow_message.strip().splitlines()[0]})")
+        who = f"the workers did not all join{within}"
     return (
         f"MultiWorkerMirroredStrategy could not start on "
         f"{_worker_name(config, *me)}: {who}. Start every worker of the job (the same "
         f"command on each, each with its own TF_CONFIG task), check that the TF_CONFIG "
         f"addresses are right and reachable from this host (firewalls, --hosts), and if "
         f"workers legitimately start later than this, raise the timeout "
-        f"(make_strategy(startup_timeout=...) or {STARTUP_TIMEOUT_ENV}=seconds)."
+        f"(make_strategy(startup_timeout=...) or {STARTUP_TIMEOUT_ENV}=seconds). "
+        f"(TensorFlow: {_summary(tensorflow_message)})"
     )
 
 
@@ -302,25 +311,24 @@ def peer_failure_message(
     text = str(error)
     me = (config.task_type, config.task_index)
     named = [t for t in _tasks_in(text, config) if t != me]
-    who = ", ".join(_worker_name(config, *t) for t in named)
+    who = ", ".join(_worker_name(config, *t) for t in named) or "another worker"
     here = _worker_name(config, *me)
     if isinstance(error, tf.errors.DeadlineExceededError):
         limit = f" within {collective_timeout:g} s" if collective_timeout else " in time"
         return (
-            f"A collective across the workers did not finish{limit} on {here}: another "
-            f"worker{' (' + who + ')' if who else ''} is stuck, stopped or far slower "
-            f"(a hang, a SIGSTOP, a much slower input pipeline). Look at the other "
+            f"A collective across the workers did not finish{limit} on {here}: "
+            f"{who} is stuck, stopped or far slower (a hang, a SIGSTOP, a much slower "
+            f"input pipeline). Look at the other "
             f"workers' output for the cause. If steps legitimately take longer, raise the "
             f"collective timeout (make_strategy(timeout_seconds=...), --collective_timeout). "
-            f"(TensorFlow: {_first_line(error)})"
+            f"(TensorFlow: {_summary(error)})"
         )
     if isinstance(error, tf.errors.UnavailableError):
         return (
-            f"Another worker{' (' + who + ')' if who else ''} stopped answering while "
-            f"{here} trained: it crashed, was killed or stopped (TensorFlow's heartbeat "
+            f"{who[0].upper() + who[1:]} stopped answering while {here} trained: it crashed, was killed or stopped (TensorFlow's heartbeat "
             f"timed out). Look at that worker's output for the cause, then start the job "
             f"again (`python -m launch --max_restarts N` does it for you; a run with a "
-            f"model_dir resumes from its last checkpoint). (TensorFlow: {_first_line(error)})"
+            f"model_dir resumes from its last checkpoint). (TensorFlow: {_summary(error)})"
         )
     return None
 
@@ -518,7 +526,7 @@ def _mismatch_message(info, fields, by_worker, differ, digest) -> str:
         else:
             what = f"a field past the first {MAX_NAMED_FIELDS} compared by name"
         parts.append(f"worker {worker} differs from the chief (worker 0) in: {what}")
-    reference = by_worker[me] if me != 0 else by_worker[differ[0]]
+    reference = chief if me != 0 else by_worker[differ[0]]
     mine = _differing_fields(fields, by_worker[me], reference) or []
     values = ", ".join(f"{name}={fields[name]}" for name in mine)
     here = (f" This worker ({me}) has {values}." if values else "")

@@ -374,23 +374,21 @@ def _num_workers(environ: Mapping[str, str]) -> int:
     return 1 if config is None else config.num_workers
 
 
-def _build_multi_worker(plan: StrategyPlan) -> tf.distribute.Strategy:
-    """MultiWorkerMirroredStrategy, failing fast and plainly when workers cannot meet.
+def _build_multi_worker(
+    plan: StrategyPlan, config: cluster_lib.ClusterConfig | None
+) -> tf.distribute.Strategy:
+    """MultiWorkerMirroredStrategy that fails plainly when the workers cannot meet.
 
-    Before TensorFlow binds: this task's own port must be free. While the
-    constructor waits for the other workers: a start-up deadline
+    While the constructor waits for the other workers: a start-up deadline
     (`plan.startup_timeout`, through TensorFlow's coordination service), and
     TensorFlow's errors become `tfdp.startup.StartupError`s naming the
     workers that did not answer (see `tfdp.startup`).
     """
     from tfdp._upstream import coordination
 
-    config = _cluster_config(os.environ)
-    if config is not None and config.task_type in cluster_lib.TRAINING_TASK_TYPES:
-        startup.check_own_port(config)
-        if plan.startup_timeout is not None:
-            coordination.configure_startup_deadline(
-                config.cluster, config.task_type, plan.startup_timeout)
+    if config is not None and plan.startup_timeout is not None:
+        coordination.configure_startup_deadline(
+            config.cluster, config.task_type, plan.startup_timeout)
     with startup.explain_startup_failure(config, plan.startup_timeout):
         return tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=_cluster_resolver(os.environ),
@@ -406,6 +404,10 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
         return tf.distribute.get_strategy()
     if plan.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(plan.devices[0])
+    if plan.kind == "multi_worker":
+        config = _cluster_config(os.environ)
+        # In a second, before the Keras fixes below are imported.
+        startup.check_own_port(config)
     # Imported here: only strategies that all-reduce with collectives need
     # the fixes, and only they pay for importing Keras internals.
     from tfdp._upstream import keras_multi_worker
@@ -422,7 +424,7 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
             devices=devices, cross_device_ops=_cross_device_ops(plan)
         )
     keras_multi_worker.apply()
-    return _build_multi_worker(plan)
+    return _build_multi_worker(plan, config)
 
 
 def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
