@@ -9,19 +9,18 @@ the exit status, the time to fail and what the message names.
 
 import json
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdp
-from multiworker import REPO_ROOT, run_worker_script
+from multiworker import REPO_ROOT, run_launch, run_worker_script
 from tfdp import cluster as cluster_lib
 from tfdp import run_config
 from tfdp import startup
@@ -428,3 +427,19 @@ def test_workers_with_different_configurations_all_fail(tmp_path, different):
                 "from the chief (worker 0) in: seed.") in stderr, result.describe()
         assert f"This worker ({rank}) has seed={rank}." in stderr
     assert "Start every worker with identical flags" in "\n".join(result.worker_stderr(0))
+
+
+@pytest.mark.slow
+def test_tfdp_train_refuses_workers_started_with_different_seeds(tmp_path):
+    # The check tfdp.experiment runs right after the strategy is built; nothing
+    # is written to model_dir.
+    command = ["sh", "-c", f'exec "{shutil.which("tfdp-train")}" --dataset=digits --model=mlp '
+               f'--epochs=1 --steps_per_epoch=1 --model_dir={tmp_path / "run"} '
+               f'--data_dir={tmp_path / "data"} --seed=$TFDP_RANK']
+    result = run_launch(command, nproc=2, timeout=180, cwd=tmp_path)
+    assert result.returncode != 0, result.describe()
+    for rank in (0, 1):
+        stderr = "\n".join(result.worker_stderr(rank))
+        assert "worker 1 differs from the chief (worker 0) in: seed." in stderr, result.describe()
+        assert f"This worker ({rank}) has seed={rank}." in stderr
+    assert not (tmp_path / "run").exists()
