@@ -137,11 +137,22 @@ def test_the_leaders_timeout_names_the_missing_worker_and_not_the_first_at_the_b
     with _listening_socket() as peer:
         ports = (cluster_lib.free_ports(1)[0], peer.getsockname()[1], cluster_lib.free_ports(1)[0])
         message = startup.unanswered_message(_config(0, ports), 5.0, _LEADER_TIMEOUT)
-    assert f"1 of the other 2 worker(s) did not answer within startup_timeout=5 s" in message
+    assert "on worker 0 (127.0.0.1:" in message
+    assert "1 other worker did not answer within startup_timeout=5 s" in message
     assert f"worker 2 (127.0.0.1:{ports[2]}): nothing listens there" in message
     assert f"127.0.0.1:{ports[1]}" not in message  # it answered
     assert "TFDP_STARTUP_TIMEOUT" in message and "Start every worker" in message
     assert "(TensorFlow: Barrier timed out." in message
+
+
+def test_peers_tensorflow_does_not_name_are_found_by_probing_their_ports():
+    # The coordination service names at most two stragglers; a port nobody
+    # listens on adds the others.
+    ports = tuple(cluster_lib.free_ports(3))
+    message = startup.unanswered_message(_config(0, ports), 5.0, _LEADER_TIMEOUT)
+    assert (f"2 other workers did not answer within startup_timeout=5 s: worker 2 (127.0.0.1:"
+            f"{ports[2]}): nothing listens there; worker 1 (127.0.0.1:{ports[1]}): nothing "
+            f"listens there.") in message
 
 
 def test_a_worker_whose_leader_never_answered_names_the_leader():

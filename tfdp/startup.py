@@ -238,8 +238,8 @@ def unanswered_message(
                      else "its port answers, but it never joined: is it stuck before "
                           "make_strategy, or started with another job's TF_CONFIG?")
             described.append(f"{_worker_name(config, job, i)}: {state}")
-        who = (f"{len(missing)} of the other {len(peers)} worker(s) did not answer{within}: "
-               + "; ".join(described))
+        count = "1 other worker" if len(missing) == 1 else f"{len(missing)} other workers"
+        who = f"{count} did not answer{within}: " + "; ".join(described)
     else:
         who = f"the workers did not all join{within}"
     return (
