@@ -198,8 +198,9 @@ def compile(  # pylint: disable=redefined-builtin
     `max_consecutive_nonfinite` in a row, `fit` raises
     `tfdp.nonfinite.NonFiniteError`. `"raise"` raises at the first (never
     applying it); `None` keeps Keras' behaviour. Keras still logs the loss of
-    a skipped step (NaN) in the epoch's mean, and `BackupAndRestore` counts
-    it as a step (its position is in batches).
+    a skipped step (NaN) in the epoch's mean, what the forward pass updates
+    (BatchNormalization moving statistics) is not undone, and
+    `BackupAndRestore` counts it as a step (its position is in batches).
 
     Args:
         model: the Keras model.

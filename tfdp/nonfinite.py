@@ -33,6 +33,11 @@ strategy:
 It does not own when steps run or checkpoints are saved (`tfdp.Trainer`,
 `tfdp.compile` with `tfdp.callbacks.BackupAndRestore`).
 
+Not undone by a skip: what the forward pass itself updates (metrics,
+`BatchNormalization` moving statistics, any layer state assigned in `call`).
+The skipped step's loss enters the logged mean (NaN), and a NaN input leaves
+NaN moving statistics, which `check_finite_before_save` then refuses to save.
+
 Cost per optimizer step: no collective; one `is_finite` reduction over the
 summed gradients (one read of them, like one elementwise op) and a `tf.cond`.
 Gradient clipping (`clipnorm`, `global_clipnorm`) of the wrapped optimizer

@@ -116,9 +116,10 @@ class Trainer:
     loss or gradients hold a NaN or Inf on any replica is skipped by every
     replica and worker alike: weights, optimizer slots and
     `optimizer.iterations` stay as they were, and `skipped_steps` counts it
-    (it is checkpointed). After `max_consecutive_nonfinite` skipped steps in a
-    row, `train` raises `tfdp.nonfinite.NonFiniteError` naming the steps and
-    the usual fixes. `"raise"` stops at the first one (never applying it);
+    (it is checkpointed). What the forward pass updates (metrics,
+    BatchNormalization moving statistics) is not undone. After
+    `max_consecutive_nonfinite` skipped steps in a row, `train` raises
+    `tfdp.nonfinite.NonFiniteError` naming the steps and the usual fixes. `"raise"` stops at the first one (never applying it);
     `None` applies whatever the gradients are (Keras' behaviour). In every
     mode a checkpoint whose weights are not finite is never written (`train`
     raises `NonFiniteError` instead). The decision costs no collective (see
@@ -128,9 +129,11 @@ class Trainer:
         model: a built Keras model whose variables were created in
             `strategy.scope()`.
         optimizer: a Keras optimizer instance created in `strategy.scope()`.
-            Under the `mixed_float16` policy it is wrapped in a
+            `Trainer.optimizer` wraps it: in `tfdp.nonfinite.NonFiniteGuard`
+            (`nonfinite` not `None`), or under the `mixed_float16` policy in a
             `LossScaleOptimizer` whose replicas all skip a step when any
-            replica's gradients overflow (`tfdp._upstream.loss_scale`).
+            replica's gradients overflow (`NonFiniteLossScaleOptimizer`, or
+            `tfdp._upstream.loss_scale`'s with `nonfinite=None`).
         loss: a Keras loss (name, function or `keras.losses.Loss`); its
             per-example values are averaged over the global batch.
         strategy: the `tf.distribute.Strategy` to train under.
