@@ -88,6 +88,7 @@ def test_changed_pipeline_output_names_the_fix():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"steps": 25, "steps_per_execution": 10}, "multiple of `steps_per_execution`"),
+    ({"steps": 10, "steps_per_execution": 10}, "at least two executions"),
     ({"accum_steps": (4, 8)}, "must include 1"),
     ({"threads": 0}, "`threads` must be a positive integer"),
 ])

@@ -2,7 +2,8 @@
 
 This module owns the overhead summary of the throughput runs: at each worker
 count, every path's images/s and its ratio to tfdp's custom loop
-(`tfdp.Trainer`) and to the leanest hand-written loop (`loop_n`). Plain Keras
+(`tfdp.Trainer`) and to the leanest hand-written loop (`loop_n`), in steady
+state, and the per-call (per-epoch) overhead each adds on top. Plain Keras
 fit (`keras_fit`, one step per call), tfdp's fit (`tfdp_fit`,
 `steps_per_execution=N`) and the loops all ran in the same processes, in
 alternation (`tfdp.bench.throughput`).
@@ -20,7 +21,9 @@ def summarize(runs: dict) -> dict:
     Returns:
         `{"status": "ok", "workers": {n: {"strategy", "rows": [{"path",
         "images_per_second", "median_images_per_second", "step_ms",
-        "vs_trainer", "vs_loop_n"}]}}}`.
+        "call_images_per_second", "call_overhead_ms", "vs_trainer",
+        "vs_loop_n"}]}}}`; throughputs are steady state (see
+        `tfdp.bench.throughput.measure`), ratios of the best.
     """
     workers = {}
     for n, run in runs.items():
@@ -34,6 +37,8 @@ def summarize(runs: dict) -> dict:
                 "images_per_second": row["images_per_second"],
                 "median_images_per_second": row["median_images_per_second"],
                 "step_ms": row["step_ms"],
+                "call_images_per_second": row["call_images_per_second"],
+                "call_overhead_ms": row["call_overhead_ms"],
                 "vs_trainer": (row["images_per_second"] / paths["trainer"]["images_per_second"]
                                if "trainer" in paths else None),
                 "vs_loop_n": (row["images_per_second"] / paths["loop_n"]["images_per_second"]

@@ -87,23 +87,24 @@ def _scaling(case, config) -> list[str]:
 
 
 def _overhead(case) -> list[str]:
-    workers = sorted(case["workers"])
-    header = "| path | " + " | ".join(
-        f"{n} worker(s): img/s (median) | ÷ Trainer | ÷ loop_n" for n in workers) + " |"
-    lines = [header, "|---|" + "---|---|---|" * len(workers)]
-    paths = [r["path"] for r in case["workers"][workers[0]]["rows"]]
-    for path in paths:
-        cells = []
-        for n in workers:
-            row = next(r for r in case["workers"][n]["rows"] if r["path"] == path)
-            cells += [f"{_f(row['images_per_second'])} ({_f(row['median_images_per_second'])})",
-                      _f(row["vs_trainer"], 3), _f(row["vs_loop_n"], 3)]
-        lines.append(f"| {PATH_LABELS.get(path, path)} | " + " | ".join(cells) + " |")
-    inputs = ", ".join(f"{n} worker(s): {_f(case['workers'][n]['input_images_per_second'])} img/s"
-                       for n in workers if case["workers"][n]["input_images_per_second"])
-    if inputs:
-        lines += ["", f"Input alone (batches pulled from the distributed iterator, no "
-                      f"training): {inputs}."]
+    lines = ["Steady state: from the first execution's start to the last's (per-step "
+             "costs, host syncs and log reductions included); whole call: "
+             "`fit(steps_per_epoch=S)` / `train(S steps)` / S/N loop calls, set-up included; "
+             "per-call overhead: the whole call minus its executions."]
+    for n in sorted(case["workers"]):
+        run = case["workers"][n]
+        lines += ["", f"**{n} worker(s)** ({run['strategy']}, global batch {run['global_batch']})",
+                  "", "| path | steady img/s (median) | ÷ Trainer | ÷ loop_n | whole call img/s | "
+                  "per-call overhead (ms) |", "|---|---|---|---|---|---|"]
+        for row in run["rows"]:
+            lines.append(
+                f"| {PATH_LABELS.get(row['path'], row['path'])} | "
+                f"{_f(row['images_per_second'])} ({_f(row['median_images_per_second'])}) | "
+                f"{_f(row['vs_trainer'], 3)} | {_f(row['vs_loop_n'], 3)} | "
+                f"{_f(row['call_images_per_second'])} | {_f(row['call_overhead_ms'])} |")
+        if run["input_images_per_second"]:
+            lines += ["", f"Input alone (batches pulled from the distributed iterator, no "
+                          f"training): {_f(run['input_images_per_second'])} img/s."]
     return lines
 
 

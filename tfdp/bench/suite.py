@@ -82,10 +82,11 @@ class SuiteConfig:
     def __post_init__(self):
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"`threads` must be a positive integer. Received: threads={self.threads!r}")
-        if self.steps % self.steps_per_execution:
+        if self.steps % self.steps_per_execution or self.steps < 2 * self.steps_per_execution:
             raise ValueError(
-                f"`steps` must be a multiple of `steps_per_execution`. Received: "
-                f"steps={self.steps}, steps_per_execution={self.steps_per_execution}"
+                f"`steps` must be a multiple of `steps_per_execution` and at least two "
+                f"executions. Received: steps={self.steps}, "
+                f"steps_per_execution={self.steps_per_execution}"
             )
         if 1 not in self.accum_steps:
             raise ValueError(
@@ -158,6 +159,7 @@ def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dic
     if runs["status"] == "ok":
         cases["scaling"] = scaling.summarize(runs["runs"])
         cases["overhead"] = overhead.summarize(runs["runs"])
+        cases["scaling"]["runs"] = runs["runs"]  # every sample, for the record
         for name in ("scaling", "overhead"):
             cases[name]["seconds"] = runs["seconds"]
             cases[name]["load_average_at_start"] = runs["load_average_at_start"]

@@ -5,7 +5,9 @@ cases: it builds one model per training *path* under the job's strategy
 (`tfdp.make_strategy()`: the default strategy on one worker,
 MultiWorkerMirroredStrategy on several), warms each path up (tracing), then
 times them in alternation, `repeats` rounds of `steps` optimizer steps each,
-so a burst of load on a shared machine hits every path alike. Every worker of
+so a burst of load on a shared machine hits every path alike. Each call is
+timed in steady state (between its executions) and whole (see `measure`).
+Every worker of
 a multi-worker job runs the same calls (their collectives must pair up); rank
 0's timings are reported. It does not start processes (`tfdp.bench.procs`)
 or judge the numbers (`tfdp.bench.scaling`, `tfdp.bench.overhead`).
@@ -52,10 +54,13 @@ def _check_spec(spec: dict) -> dict:
             f"`paths` must be a non-empty list of {', '.join(PATHS)}. "
             f"Received: paths={spec.get('paths')!r}"
         )
-    if spec["steps"] % spec["steps_per_execution"]:
+    if spec["steps"] % spec["steps_per_execution"] or spec["steps"] < 2 * spec[
+        "steps_per_execution"
+    ]:
         raise ValueError(
-            f"`steps` must be a multiple of `steps_per_execution` so every path runs "
-            f"whole executions. Received: steps={spec['steps']}, "
+            f"`steps` must be a multiple of `steps_per_execution`, at least two "
+            f"executions, so every path runs whole executions and a steady state can be "
+            f"timed between them. Received: steps={spec['steps']}, "
             f"steps_per_execution={spec['steps_per_execution']}"
         )
     return spec
@@ -73,8 +78,9 @@ def _optimizer(spec):
     return keras.optimizers.SGD(spec["learning_rate"], momentum=0.9)
 
 
-def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool,
-                steps_per_execution: int) -> Callable[[int], None]:
+def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution: int,
+                mark: Callable[[], None]) -> Callable[[int], None]:
+    import keras
     import tfdp
     from tfdp.bench import workloads
 
@@ -84,13 +90,16 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool,
         compile_fn(model, optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
                    steps_per_execution=steps_per_execution)
 
+    # Marks the start of every execution (one train-function call).
+    clock = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: mark())
+
     def run(steps: int) -> None:
-        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
 
     return run
 
 
-def _trainer_runner(strategy, dataset, spec) -> Callable[[int], None]:
+def _trainer_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
     import tfdp
     from tfdp.bench import workloads
 
@@ -102,6 +111,16 @@ def _trainer_runner(strategy, dataset, spec) -> Callable[[int], None]:
         batch=tfdp.BatchConfig(spec["per_replica_batch"], strategy.num_replicas_in_sync),
         metrics=["accuracy"], steps_per_loop=spec["steps_per_execution"],
     )
+    # Marks the start of every loop (one tf.function call of steps_per_loop
+    # steps). Trainer has no hook for it; wrapping its loop function is the
+    # benchmark's only touch of a Trainer internal.
+    train_loop = trainer._train_loop  # pylint: disable=protected-access
+
+    def marked_train_loop(*args):
+        mark()
+        return train_loop(*args)
+
+    trainer._train_loop = marked_train_loop  # pylint: disable=protected-access
 
     def run(steps: int) -> None:
         # One "epoch" per call, so each call starts at offset 0 (no skipping).
@@ -110,7 +129,8 @@ def _trainer_runner(strategy, dataset, spec) -> Callable[[int], None]:
     return run
 
 
-def _loop_runner(strategy, dataset, spec, *, steps_per_call: int) -> Callable[[int], None]:
+def _loop_runner(strategy, dataset, spec, *, steps_per_call: int,
+                 mark) -> Callable[[int], None]:
     import tensorflow as tf
     from tfdp.bench import workloads
 
@@ -139,13 +159,14 @@ def _loop_runner(strategy, dataset, spec, *, steps_per_call: int) -> Callable[[i
         iterator = iter(distributed)
         count = tf.constant(steps_per_call)
         for _ in range(steps // steps_per_call):
+            mark()
             loop(iterator, count)
         optimizer.iterations.numpy()  # a host sync, as every path ends with
 
     return run
 
 
-def _input_runner(strategy, dataset, spec) -> Callable[[int], None]:
+def _input_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
     import tensorflow as tf
 
     distributed = strategy.experimental_distribute_dataset(dataset)
@@ -164,41 +185,72 @@ def _input_runner(strategy, dataset, spec) -> Callable[[int], None]:
         iterator = iter(distributed)
         count = tf.constant(steps_per_call)
         for _ in range(steps // steps_per_call):
+            mark()
             pull(iterator, count).numpy()
 
     return run
 
 
-def _runner(path, strategy, dataset, spec):
+def _runner(path, strategy, dataset, spec, mark):
     if path in ("keras_fit", "keras_fit_n", "tfdp_fit"):
         return _fit_runner(
-            strategy, dataset, spec, use_tfdp=path == "tfdp_fit",
+            strategy, dataset, spec, use_tfdp=path == "tfdp_fit", mark=mark,
             steps_per_execution=1 if path == "keras_fit" else spec["steps_per_execution"],
         )
     if path == "trainer":
-        return _trainer_runner(strategy, dataset, spec)
+        return _trainer_runner(strategy, dataset, spec, mark=mark)
     if path == "loop_1":
-        return _loop_runner(strategy, dataset, spec, steps_per_call=1)
+        return _loop_runner(strategy, dataset, spec, steps_per_call=1, mark=mark)
     if path == "loop_n":
-        return _loop_runner(strategy, dataset, spec, steps_per_call=spec["steps_per_execution"])
-    return _input_runner(strategy, dataset, spec)
+        return _loop_runner(strategy, dataset, spec, mark=mark,
+                            steps_per_call=spec["steps_per_execution"])
+    return _input_runner(strategy, dataset, spec, mark=mark)
+
+
+def _steps_per_call(path: str, spec: dict) -> int:
+    return 1 if path in ("keras_fit", "loop_1") else spec["steps_per_execution"]
+
+
+def _summary(samples: dict, global_batch: int) -> dict:
+    """Best and median of a path's samples (see `measure`)."""
+    steady, calls, overheads = samples["samples"], samples["call_samples"], samples["overhead_samples"]
+    return {
+        **samples,
+        "images_per_second": max(steady),
+        "median_images_per_second": statistics.median(steady),
+        "step_ms": 1000.0 * global_batch / max(steady),
+        "call_images_per_second": max(calls),
+        "call_overhead_ms": 1000.0 * statistics.median(overheads),
+    }
 
 
 def measure(spec: dict) -> dict:
     """Times every path in `spec["paths"]` (a `tfdp.bench.worker` job).
 
+    Each timed call (`model.fit(steps_per_epoch=steps)`, `trainer.train(...)`,
+    or `steps / N` loop calls) is measured two ways: steady state, from the
+    start of its first execution (one `tf.function` call of N steps, or one
+    step for `keras_fit` / `loop_1`) to the start of its last, so per-step
+    costs (host syncs, log reductions, callbacks) count and per-call set-up
+    does not; and the whole call, whose excess over its executions is the
+    per-call (per-epoch) overhead: iterator creation, callbacks, epoch-end
+    metric reads.
+
     Args:
         spec: `paths` (names from `PATHS`), and optionally
             `per_replica_batch` (examples per replica per step, default 64),
             `steps_per_execution` (N above, default 10), `steps` (optimizer
-            steps per timed call, a multiple of N; default 100), `repeats`
-            (timed calls per path, default 3), `learning_rate` (0.01).
+            steps per timed call, a multiple of N, at least 2 executions;
+            default 100), `repeats` (timed calls per path, default 3),
+            `learning_rate` (0.01).
 
     Returns:
         `{"strategy", "num_workers", "num_replicas", "global_batch",
-        "paths": {path: {"images_per_second": best, "median_images_per_second",
-        "step_ms": ms per optimizer step at the best throughput, "samples": [images/s, ...],
-        "warmup_seconds"}}}`.
+        "paths": {path: {"images_per_second": best steady-state global
+        images/s, "median_images_per_second", "step_ms": ms per optimizer
+        step at the best, "call_images_per_second": best whole-call
+        images/s, "call_overhead_ms": median per-call overhead, "samples",
+        "call_samples", "overhead_samples", "warmup_seconds"}}}`.
 
     Raises:
         ValueError: `spec` is invalid.
@@ -211,18 +263,36 @@ def measure(spec: dict) -> dict:
     info = tfdp.strategy_info(strategy)
     global_batch = spec["per_replica_batch"] * strategy.num_replicas_in_sync
     dataset = workloads.synthetic_dataset(workloads.IMAGE_SHAPE, global_batch)
+    marks: list[float] = []
+
+    def mark() -> None:
+        marks.append(time.perf_counter())
+
     runners, warmup = {}, {}
     for path in spec["paths"]:
         start = time.perf_counter()
-        runners[path] = _runner(path, strategy, dataset, spec)
+        runners[path] = _runner(path, strategy, dataset, spec, mark)
         runners[path](spec["steps"])  # traces and warms up
         warmup[path] = time.perf_counter() - start
-    samples = {path: [] for path in runners}
+    samples = {path: {"samples": [], "call_samples": [], "overhead_samples": []}
+               for path in runners}
     for _ in range(spec["repeats"]):
         for path, run in runners.items():
+            marks.clear()
             start = time.perf_counter()
             run(spec["steps"])
-            samples[path].append(spec["steps"] * global_batch / (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            executions = spec["steps"] // _steps_per_call(path, spec)
+            if len(marks) != executions:
+                raise RuntimeError(
+                    f"path {path!r}: expected {executions} executions of "
+                    f"{_steps_per_call(path, spec)} step(s) in {spec['steps']} steps, "
+                    f"counted {len(marks)}."
+                )
+            cycle = (marks[-1] - marks[0]) / (executions - 1)
+            samples[path]["samples"].append(_steps_per_call(path, spec) * global_batch / cycle)
+            samples[path]["call_samples"].append(spec["steps"] * global_batch / seconds)
+            samples[path]["overhead_samples"].append(seconds - executions * cycle)
     return {
         "strategy": info.strategy,
         "num_workers": info.num_workers,
@@ -232,13 +302,7 @@ def measure(spec: dict) -> dict:
         "steps_per_execution": spec["steps_per_execution"],
         "steps": spec["steps"],
         "paths": {
-            path: {
-                "images_per_second": max(values),
-                "median_images_per_second": statistics.median(values),
-                "step_ms": 1000.0 * global_batch / max(values),
-                "samples": values,
-                "warmup_seconds": warmup[path],
-            }
+            path: {**_summary(values, global_batch), "warmup_seconds": warmup[path]}
             for path, values in samples.items()
         },
     }
@@ -278,11 +342,11 @@ def run(*, workers=(1, 2), paths=PATHS, rounds: int = 1, threads: int | None = 1
             previous = results.get(str(n))
             if previous is not None:
                 for path, row in measured["paths"].items():
-                    row["samples"] = previous["paths"][path]["samples"] + row["samples"]
-                    row["warmup_seconds"] = previous["paths"][path]["warmup_seconds"]
-            for row in measured["paths"].values():
-                row["images_per_second"] = max(row["samples"])
-                row["median_images_per_second"] = statistics.median(row["samples"])
-                row["step_ms"] = 1000.0 * measured["global_batch"] / row["images_per_second"]
+                    pooled = {key: previous["paths"][path][key] + row[key]
+                              for key in ("samples", "call_samples", "overhead_samples")}
+                    measured["paths"][path] = {
+                        **_summary(pooled, measured["global_batch"]),
+                        "warmup_seconds": previous["paths"][path]["warmup_seconds"],
+                    }
             results[str(n)] = measured
     return results
