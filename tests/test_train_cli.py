@@ -29,6 +29,7 @@ def parse_flags():
         (["--cpu_replicas=2", "--global_batch=63"], "--global_batch: "),
         (["--checkpoint_every=5"], "--checkpoint_every needs --model_dir"),
         (["--warmup_epochs=1", "--warmup_steps=3"], "at most one of --warmup_epochs"),
+        (["--collective_timeout=0"], "--collective_timeout must be a positive number"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):

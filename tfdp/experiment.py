@@ -163,22 +163,19 @@ def train_and_evaluate(
             continue a run in a `model_dir` that holds a checkpoint.
     """
     start = time.perf_counter()
+    strategy_options = dict(
+        cpu_replicas=config.cpu_replicas, cross_device_ops=config.cross_device_ops,
+        communication=config.communication, bytes_per_pack=config.bytes_per_pack,
+        timeout_seconds=config.collective_timeout,
+    )
     try:
-        plan = strategy_lib.plan_from_environment(
-            config.strategy, cpu_replicas=config.cpu_replicas,
-            cross_device_ops=config.cross_device_ops, communication=config.communication,
-            bytes_per_pack=config.bytes_per_pack,
-        )
+        plan = strategy_lib.plan_from_environment(config.strategy, **strategy_options)
     except ValueError as error:  # contradicts the cluster or the hardware
         raise ConfigError(str(error)) from None
     batch = batch_config(config, plan.num_replicas)  # before any collective starts
     if config.mixed_precision != "none":
         keras.config.set_dtype_policy(config.mixed_precision)
-    strategy = strategy_lib.make_strategy(
-        config.strategy, cpu_replicas=config.cpu_replicas,
-        cross_device_ops=config.cross_device_ops, communication=config.communication,
-        bytes_per_pack=config.bytes_per_pack,
-    )
+    strategy = strategy_lib.make_strategy(config.strategy, **strategy_options)
     startup.check_same_config(strategy, config.to_dict())  # every worker, same flags
     info = strategy_lib.strategy_info(strategy)
     if config.jit_compile:

@@ -37,7 +37,8 @@ class RunConfig:
         at the end. seed: seeds initialisation, shuffling and augmentation.
 
     Where: strategy, cpu_replicas, cross_device_ops, communication,
-        bytes_per_pack: see `tfdp.make_strategy`.
+        bytes_per_pack: see `tfdp.make_strategy`; collective_timeout: its
+        `timeout_seconds` (None: wait forever).
 
     Batch (examples per optimizer step; see `tfdp.BatchConfig`): at most one
         of global_batch and per_replica_batch (neither: global_batch =
@@ -68,6 +69,7 @@ class RunConfig:
     cross_device_ops: str = "auto"
     communication: str = "auto"
     bytes_per_pack: int = 0
+    collective_timeout: float | None = None
 
     global_batch: int | None = None
     per_replica_batch: int | None = None
@@ -140,6 +142,14 @@ class RunConfig:
                 f"--warmup_epochs must be in [0, --epochs={self.epochs}]. "
                 f"Received: --warmup_epochs={self.warmup_epochs}"
             )
+        if self.collective_timeout is not None and (
+                isinstance(self.collective_timeout, bool)
+                or not isinstance(self.collective_timeout, (int, float))
+                or not 0 < self.collective_timeout < float("inf")):
+            raise ConfigError(
+                "--collective_timeout must be a positive number of seconds (how long a "
+                "collective waits for a stuck worker), or unset to wait forever. "
+                f"Received: --collective_timeout={self.collective_timeout!r}")
         if not self.base_lr > 0:
             raise ConfigError(f"--base_lr must be > 0. Received: --base_lr={self.base_lr}")
         if self.weight_decay < 0:

@@ -27,6 +27,7 @@ from absl import logging  # noqa: E402
 
 from tfdp import cluster as cluster_lib  # noqa: E402
 from tfdp import run_config  # noqa: E402
+from tfdp import startup  # noqa: E402
 from tfdp import strategy as strategy_lib  # noqa: E402
 
 _D = run_config.RunConfig()  # defaults, one source of truth
@@ -52,6 +53,9 @@ flags.DEFINE_enum("communication", _D.communication, strategy_lib.COMMUNICATIONS
                   "MultiWorkerMirroredStrategy collectives.")
 flags.DEFINE_integer("bytes_per_pack", _D.bytes_per_pack, "MultiWorkerMirroredStrategy "
                      "gradient pack size in bytes (0: TensorFlow's default).")
+flags.DEFINE_float("collective_timeout", None, "MultiWorkerMirroredStrategy: fail a collective "
+                   "that waits longer than this many seconds for a stuck or stopped worker "
+                   "(default: wait forever).")
 # Batch.
 flags.DEFINE_integer("global_batch", None, "Examples per optimizer step over all replicas "
                      "(at most one of --global_batch, --per_replica_batch; neither: "
@@ -194,12 +198,16 @@ def main(argv: Sequence[str]) -> None:
         config = config_from_flags()
         _check_names(config)
         _configure_logging(_process_is_chief())
-        experiment.train_and_evaluate(
-            config, build_dataset=_build_dataset(config), build_model=models.get
-        )
-    except run_config.ConfigError as error:
+        with startup.explain_peer_failures(collective_timeout=config.collective_timeout):
+            experiment.train_and_evaluate(
+                config, build_dataset=_build_dataset(config), build_model=models.get
+            )
+    except (run_config.ConfigError, startup.ConfigMismatchError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except (startup.StartupError, startup.PeerFailureError) as error:
+        print(f"tfdp-train: error: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 def run() -> None:
