@@ -22,8 +22,8 @@ the global batches of `global_batches(0)`, one epoch:
   iteration, which that count must see;
 - `scratch_created`, `scratch_left`: temporary directories this worker
   created (non-chief checkpoint saves) and those still there at the end;
-- `jit_*`: `tfdp.compile(jit_compile=True)`; last, because on CPU workers it
-  fails inside TensorFlow (`jit_error`).
+- `jit_error`: what `tfdp.compile(jit_compile=True)` raised: on CPU workers
+  tfdp refuses it (TensorFlow has no XLA collectives on CPU).
 
 The test imports this module too, for the data, models and optimizers (one
 source of truth for the workers and the single-device references).
@@ -242,13 +242,23 @@ def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
         tfdp.compile(model, optimizer=make_optimizer(), loss=loss(), metrics=["accuracy"],
                      accum_steps=accum_steps, steps_per_execution=steps_per_execution,
                      jit_compile=jit_compile)
+    from tfdp import nonfinite
+    from tfdp._upstream import loss_scale
+
+    # tfdp.compile wraps the optimizer to skip non-finite steps; the one that
+    # applies the updates is inside.
+    updates = model.optimizer
+    if isinstance(updates, nonfinite.NonFiniteGuard):
+        updates = updates.inner_optimizer
     before = int(counter.numpy())
     history = model.fit(global_batches(), epochs=1, verbose=0)
     results = {
         f"{name}_iterations": int(model.optimizer.iterations.numpy()),
         f"{name}_grad_allreduces": int(counter.numpy()) - before,
         f"{name}_loss": np.asarray(history.history["loss"], "float64"),
-        f"{name}_optimizer": f"{type(model.optimizer).__module__}.{type(model.optimizer).__name__}",
+        f"{name}_optimizer": f"{type(updates).__module__}.{type(updates).__name__}",
+        f"{name}_consistent_loss_scale": isinstance(model.optimizer,
+                                                    loss_scale.LossScaleOptimizer),
     }
     for i, w in enumerate(model.get_weights()):
         results[f"{name}_weight{i}"] = np.asarray(w, "float32")
@@ -327,6 +337,7 @@ def _trainer_cases(tfdp, strategy, counter, out_dir):
 
 
 def _jit_case(tfdp, strategy, counter):
+    """Expected to raise on CPU workers; a run that went ahead is recorded too."""
     try:
         return _fit_case(tfdp, strategy, counter, "jit", make_optimizer=optimizer,
                          accum_steps=ACCUM_STEPS, jit_compile=True)
@@ -383,8 +394,9 @@ def main(out_dir: str) -> None:
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     sys.stdout.flush()
     sys.stderr.flush()
-    # After a failed XLA compilation TensorFlow 2.21 can abort in its exit
-    # handlers ("free(): invalid pointer"); everything is written by now.
+    # TensorFlow 2.21 can abort in its exit handlers after this many
+    # multi-worker cases in one process ("double free or corruption");
+    # everything is written by now.
     os._exit(0)
 
 

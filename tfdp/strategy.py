@@ -546,24 +546,42 @@ def make_strategy(
 def check_jit_compile_supported(strategy: tf.distribute.Strategy) -> None:
     """Raises when XLA cannot compile a train step under `strategy`.
 
-    XLA on a MirroredStrategy over several CPU devices fails at run time with
-    "Trying to access resource ... located in device CPU:1 from device CPU:0"
-    (https://www.tensorflow.org/xla/known_issues#tfvariable_on_a_different_device);
-    Keras' own `jit_compile=True` fails the same way. Several GPUs, one device,
-    and MultiWorkerMirroredStrategy with one device per worker are fine.
+    Two TensorFlow limitations, both on CPU devices:
+
+    - a MirroredStrategy over several CPU devices fails at run time with
+      "Trying to access resource ... located in device CPU:1 from device
+      CPU:0" (https://www.tensorflow.org/xla/known_issues#tfvariable_on_a_different_device);
+      Keras' own `jit_compile=True` fails the same way;
+    - a MultiWorkerMirroredStrategy on CPU workers fails at its first step with
+      "UnimplementedError: Collectives are not yet implemented for CPU devices
+      when compiling with XLA" (TensorFlow 2.21, b/194942685), and the peers
+      then fail with "Collective ops is aborted".
+
+    One device, and GPUs under either strategy, are fine.
 
     Raises:
-        ValueError: `strategy` mirrors over more than one CPU device.
+        ValueError: `strategy` all-reduces between CPU devices.
     """
-    if not isinstance(strategy, tf.distribute.MirroredStrategy):
-        return
+    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not isinstance(strategy, mirrored):
+        return  # default, OneDeviceStrategy
     devices = tuple(strategy.extended.worker_devices)
-    if len(devices) > 1 and any("CPU" in d.upper() for d in devices):
+    on_cpu = any("CPU" in d.upper() for d in devices)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if on_cpu and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "jit_compile=True cannot run on a MultiWorkerMirroredStrategy over CPU "
+                "workers: XLA has no CPU implementation of the collectives that "
+                "all-reduce the gradients (TensorFlow limitation, b/194942685). Use "
+                "jit_compile=False here; XLA works on GPU workers and on one device."
+            )
+        return
+    if len(devices) > 1 and on_cpu:
         raise ValueError(
             f"jit_compile=True cannot run on a MirroredStrategy over {len(devices)} CPU "
             f"devices: XLA cannot reach variables on another logical CPU device "
-            f"(TensorFlow limitation). Use jit_compile=False here; XLA works on GPUs, "
-            f"on one device, and with MultiWorkerMirroredStrategy."
+            f"(TensorFlow limitation). Use jit_compile=False here; XLA works on GPUs "
+            f"and on one device."
         )
 
 
