@@ -39,7 +39,6 @@ import dataclasses
 import math
 import os
 import shutil
-import socket
 import time
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
@@ -180,26 +179,9 @@ def _check_max_restarts(max_restarts: Any) -> None:
         )
 
 
-def port_in_use(port: int) -> str | None:
-    """Why `port` cannot be bound on all interfaces now, or `None` if it can.
-
-    Binds where TensorFlow will (`launch.nodes`: all interfaces, IPv6
-    dual-stack `[::]` where available, else `0.0.0.0`), with `SO_REUSEADDR`
-    as gRPC does, so a port in TIME_WAIT from a previous run counts as free.
-    """
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:  # no IPv6 on this machine
-            continue
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as e:
-                return e.strerror or str(e)
-            return None
-    return None
+# Binds where TensorFlow will (all interfaces), as gRPC does; shared with
+# `tfdp.startup`, which checks again inside each worker.
+port_in_use = cluster_lib.port_in_use
 
 
 def _check_ports_free(ports: Sequence[int], *, where: str, fix: str) -> None:
