@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from launch import _checks
+
 #: The port the training operator gives every TensorFlow replica.
 TFJOB_PORT = 2222
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -106,17 +108,8 @@ def plan_tfjob(
         TypeError: if an argument has the wrong type.
         ValueError: naming the argument, when a value breaks its rule.
     """
-    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not all(
-            isinstance(part, str) for part in command):
-        raise TypeError(
-            "`command` must be a list of strings, e.g. ['tfdp-train', '--model', 'mlp']. "
-            f"Received: command={_echo(command)}"
-        )
-    if not command:
-        raise ValueError(
-            "`command` must not be empty: give the program every worker runs after `--`, "
-            "e.g. `python -m launch k8s --image IMAGE --workers 2 -- tfdp-train`."
-        )
+    command = _checks.check_command(
+        command, example="python -m launch k8s --image IMAGE --workers 2 -- tfdp-train")
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         raise ValueError(
             "`image` must be a container image reference without spaces, e.g. "

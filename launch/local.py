@@ -44,6 +44,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 from tfdp import cluster as cluster_lib
 
+from launch import _checks
 from launch import nodes as nodes_lib
 from launch import restarts
 from launch.worker_group import WorkerSpec
@@ -119,19 +120,8 @@ def _echo(value: Any) -> str:
 
 
 def _check_command(command: Sequence[str], path: str | None) -> tuple[str, ...]:
-    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence):
-        raise TypeError(
-            "`command` must be a list of strings (program, then arguments), e.g. "
-            f"['python', 'train.py']. Received: command={_echo(command)}"
-        )
-    if not command:
-        raise ValueError(
-            "`command` must not be empty: give the program to run after `--`, e.g. "
-            "`python -m launch --nproc_per_node 2 -- python train.py`. "
-            f"Received: command={_echo(command)}"
-        )
-    if not all(isinstance(part, str) for part in command):
-        raise TypeError(f"`command` must contain only strings. Received: command={_echo(command)}")
+    command = _checks.check_command(
+        command, example="python -m launch --nproc_per_node 2 -- python train.py")
     program = command[0]
     if shutil.which(program, path=path) is None:
         where = "is not an executable file" if os.sep in program else "was not found on PATH"

@@ -27,6 +27,8 @@ import shutil
 import subprocess
 from typing import Any, Mapping, Sequence
 
+from launch import _checks
+
 #: Slurm time limits: minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s, or unlimited.
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}"
                    r"|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
@@ -106,17 +108,9 @@ def plan_job(
         TypeError: if an argument has the wrong type.
         ValueError: naming the argument, when a value breaks its rule.
     """
-    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not all(
-            isinstance(part, str) for part in command):
-        raise TypeError(
-            "`command` must be a list of strings, e.g. ['python', 'train.py']. "
-            f"Received: command={_echo(command)}"
-        )
-    if not command:
-        raise ValueError(
-            "`command` must not be empty: give the program every task runs after `--`, "
-            "e.g. `python -m launch slurm --nodes 2 --ntasks_per_node 1 -- python train.py`."
-        )
+    command = _checks.check_command(
+        command,
+        example="python -m launch slurm --nodes 2 --ntasks_per_node 1 -- python train.py")
     _check_count("nodes", nodes, 1)
     _check_count("ntasks_per_node", ntasks_per_node, 1)
     _check_count("gpus_per_node", gpus_per_node, 0)
