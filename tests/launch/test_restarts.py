@@ -113,6 +113,21 @@ def test_after_the_last_restart_exit_code_and_log_tail(tmp_path, pid_dir):
     assert elapsed < 30
 
 
+ALWAYS_FAILS_WORKER = FAILS_TWICE_WORKER.replace("if failures < 2:", "if True:")
+
+
+def test_a_worker_failing_every_attempt_gives_up_after_max_restarts_plus_one(
+    tmp_path, pid_dir
+):
+    code, _, err, _ = _run(tmp_path, pid_dir, ALWAYS_FAILS_WORKER, max_restarts=2)
+    assert code == 5, err
+    assert sorted(_attempts(pid_dir)) == [0, 1, 2]  # the third failure is the last
+    assert "worker 1 exited with code 5 in the last attempt (3 of 3); not restarting" in err
+    assert "| Traceback: the cause of the failure" in err
+    assert_processes_gone([r["pid"] for records in _attempts(pid_dir).values()
+                           for r in records.values()])
+
+
 def test_without_restarts_the_failure_still_shows_the_log_tail(tmp_path, pid_dir):
     code, _, err, _ = _run(tmp_path, pid_dir, FAILS_TWICE_WORKER, max_restarts=0)
     assert code == 5
