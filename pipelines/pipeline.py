@@ -25,6 +25,9 @@ from pipelines import source as source_lib
 #: Largest shuffle buffer, in examples, per input pipeline.
 SHUFFLE_BUFFER = 10_000
 
+#: (source, split, global batch, dropped) already warned about in this process.
+_DROP_WARNINGS_GIVEN: set = set()
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineInfo:
@@ -336,7 +339,10 @@ class InputPipeline:
         self.last_info = info
         if index == 0:  # Once per dataset build, on the first worker only.
             logging.info("pipelines: %s", info.describe())
-            if info.dropped_per_epoch:
+            warning_key = (info.source, info.split, info.global_batch, info.dropped_per_epoch)
+            if info.dropped_per_epoch and warning_key not in _DROP_WARNINGS_GIVEN:
+                # Once per process: a training loop rebuilds the dataset each epoch.
+                _DROP_WARNINGS_GIVEN.add(warning_key)
                 logging.warning(
                     "pipelines: %s/%s: drop_remainder drops %d of %d examples every "
                     "epoch (they do not fill a last global batch of %d across %d "

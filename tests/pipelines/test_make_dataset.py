@@ -427,7 +427,10 @@ def test_fit_runs_every_step_of_every_epoch(strategy_name):
         assert not [w for w in caught if "ran out of data" in str(w.message)]
 
 
-def test_dropped_examples_are_a_warning_logged_once_per_dataset(caplog):
+def test_dropped_examples_are_a_warning_logged_once_per_dataset(caplog, monkeypatch):
+    from pipelines import pipeline as pipeline_lib
+
+    monkeypatch.setattr(pipeline_lib, "_DROP_WARNINGS_GIVEN", set())
     strategy = get_strategy("mirrored2")  # Two input pipelines, one log.
     with caplog.at_level(logging.INFO, logger="absl"):
         pipelines.make_dataset(id_dataset(37), strategy=strategy, global_batch=8, seed=0)
@@ -435,6 +438,14 @@ def test_dropped_examples_are_a_warning_logged_once_per_dataset(caplog):
     assert [r.levelno for r in records] == [logging.INFO, logging.WARNING]
     assert "37 examples, global batch 8" in records[0].getMessage()
     assert "drop_remainder drops 5 of 37 examples every epoch" in records[1].getMessage()
+
+    # The next epoch's dataset (a training loop builds one per epoch) does not
+    # repeat the warning.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        pipelines.make_dataset(id_dataset(37), strategy=strategy, global_batch=8, seed=1)
+    records = [r for r in caplog.records if r.getMessage().startswith("pipelines: ")]
+    assert [r.levelno for r in records] == [logging.INFO]
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="absl"):
