@@ -12,8 +12,11 @@ as one fails.
   on `H_r:P_r+i` and has global rank `r*N+i` (`launch.nodes`).
 - Binding: TensorFlow's gRPC server listens on *all* interfaces whatever the
   TF_CONFIG address says, and nothing in TensorFlow 2.21 restricts it (see
-  `launch.nodes`). `--hosts` addresses that are not loopback therefore need
-  `--bind_all`, which logs a warning that the endpoints are unauthenticated.
+  `launch.nodes`), so the launcher preloads a small `bind()` shim
+  (`launch.bind`) that makes each worker listen on its own loopback address
+  only. `--hosts` addresses that are not loopback need `--bind_all`: no shim,
+  the workers listen on all interfaces, and a warning says the endpoints are
+  unauthenticated.
 - Restarts: `--max_restarts K` stops and restarts the whole group after a
   worker fails, up to K times (`launch.restarts`); a signal never restarts.
 - Schedulers: `python -m launch slurm ...` writes or submits an sbatch script
@@ -33,7 +36,7 @@ Modules: `launch.local` (what each worker runs, with which environment),
 `launch.nodes` (multi-node layout and address checks), `launch.restarts`
 (the attempt loop), `launch.worker_group` (start, supervise, stop a set of
 processes), `launch.output` (rank-prefixed output, log tails),
-`launch.signals` (signal catching), `launch._proc` (process groups, /proc,
+`launch.signals` (signal catching), `launch.bind` (the bind shim), `launch._proc` (process groups, /proc,
 reaping), `launch.slurm` and `launch.k8s` (scheduler files). This package may
 import `tfdp.cluster`; `tfdp` never imports `launch`.
 """

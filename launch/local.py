@@ -29,6 +29,12 @@ Every worker gets, on top of the launcher's environment:
 - `TFDP_RESTART_COUNT`: 0 for the first attempt, then 1, 2, ... for each
   restart of the group (`--max_restarts`).
 - `PYTHONUNBUFFERED=1`, so Python workers' output arrives line by line.
+- Unless `--bind_all`: `LD_PRELOAD` (the `launch.bind` shim, before any
+  inherited `LD_PRELOAD`) and `TFDP_BIND_ADDRESS` (this node's IPv4 address,
+  127.0.0.1 on one host), so TensorFlow's gRPC server, which binds all
+  interfaces, listens on that address only. Without a C compiler to build the
+  shim, these are not set and a warning says the workers listen on all
+  interfaces.
 
 Workers read stdin from /dev/null and inherit the launcher's working directory.
 """
@@ -45,6 +51,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Sequence
 from tfdp import cluster as cluster_lib
 
 from launch import _checks
+from launch import bind as bind_lib
 from launch import nodes as nodes_lib
 from launch import restarts
 from launch.worker_group import WorkerSpec
@@ -81,6 +88,9 @@ class LocalLaunchPlan:
             Defaults to False.
         exposed: `--hosts` entries other machines can reach, accepted with
             `--bind_all`; the warning names them. Defaults to ().
+        bind_warning: why the workers listen on all interfaces although
+            `--bind_all` was not given (the bind shim could not be used);
+            logged as a warning. Defaults to "".
     """
 
     command: tuple[str, ...]
@@ -96,6 +106,7 @@ class LocalLaunchPlan:
     addresses: tuple[str, ...] = ()
     bind_all: bool = False
     exposed: tuple[str, ...] = ()
+    bind_warning: str = ""
 
     @property
     def world_size(self) -> int:
@@ -184,6 +195,18 @@ def _check_ports_free(ports: Sequence[int], *, where: str, fix: str) -> None:
             )
 
 
+def _bind_environment(host: str, environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """The bind shim's variables for workers reached at `host`, or ({}, a warning)."""
+    address = bind_lib.shim_address(host)
+    if address is None:
+        return {}, (f"warning: workers will listen on all interfaces: the bind shim "
+                    f"(launch/bindshim.c) binds IPv4 addresses only, and {host!r} has none.")
+    if bind_lib.shim_path() is None:
+        return {}, ("warning: workers will listen on all interfaces: no C compiler (cc or "
+                    "gcc) was found to build the bind shim (launch/bindshim.c).")
+    return bind_lib.worker_environment(address, ld_preload=environ.get("LD_PRELOAD", "")), ""
+
+
 def _worker_specs(
     command: tuple[str, ...],
     environ: Mapping[str, str],
@@ -192,6 +215,7 @@ def _worker_specs(
     nproc_per_node: int,
     node_rank: int,
     restart_count: int,
+    bind_env: Mapping[str, str] = {},
 ) -> tuple[WorkerSpec, ...]:
     world_size = len(addresses)
     specs = []
@@ -211,6 +235,7 @@ def _worker_specs(
             TFDP_RESTART_COUNT=str(restart_count),
             PYTHONUNBUFFERED="1",
         )
+        env.update(bind_env)
         specs.append(WorkerSpec(rank=rank, command=command, env=env))
     return tuple(specs)
 
@@ -272,16 +297,19 @@ def plan_local(
         _check_ports_free(ports, where="`port`", fix=(
             f"Choose another `port`, or omit it to pick free ports. Received: port={port}"))
     addresses = tuple(f"{LOOPBACK}:{p}" for p in ports)
+    bind_env, bind_warning = _bind_environment(LOOPBACK, environ)
     return LocalLaunchPlan(
         command=command,
         nproc_per_node=nproc_per_node,
         ports=ports,
         grace_period=float(grace_period),
         workers=_worker_specs(command, environ, addresses=addresses,
-                              nproc_per_node=nproc_per_node, node_rank=0, restart_count=0),
+                              nproc_per_node=nproc_per_node, node_rank=0, restart_count=0,
+                              bind_env=bind_env),
         max_restarts=max_restarts,
         fixed_ports=port is not None,
         addresses=addresses,
+        bind_warning=bind_warning,
     )
 
 
@@ -341,6 +369,9 @@ def plan_nodes(
     _check_ports_free(layout.ports, where=f"`hosts` entry {node_rank} ({layout.this_node}):",
                       fix=f"Give node {node_rank} another first port in `hosts`. "
                           f"Received: hosts={_echo(','.join(map(str, layout.hosts)))}")
+    # Without --bind_all every address is loopback (check_hosts): bind it only.
+    bind_env, bind_warning = ({}, "") if bind_all else _bind_environment(
+        layout.this_node.host, environ)
     return LocalLaunchPlan(
         command=command,
         nproc_per_node=nproc_per_node,
@@ -348,7 +379,7 @@ def plan_nodes(
         grace_period=float(grace_period),
         workers=_worker_specs(command, environ, addresses=layout.addresses,
                               nproc_per_node=nproc_per_node, node_rank=node_rank,
-                              restart_count=0),
+                              restart_count=0, bind_env=bind_env),
         max_restarts=max_restarts,
         fixed_ports=True,
         nnodes=nnodes,
@@ -357,6 +388,7 @@ def plan_nodes(
         addresses=layout.addresses,
         bind_all=bind_all,
         exposed=tuple(exposed),
+        bind_warning=bind_warning,
     )
 
 
@@ -459,6 +491,8 @@ def run_plan(
             f"{','.join(map(str, plan.ports))} here): anyone who can reach them can run "
             "TensorFlow operations in the workers. Keep the job on a private, firewalled "
             "network.")
+    if plan.bind_warning:
+        warnings.append(plan.bind_warning)
     return restarts.run_with_restarts(
         plan,
         describe=lambda p, attempt: p.describe(attempt),

@@ -24,17 +24,20 @@ TF_CONFIG address. `GrpcServer::Init` calls
 `AddListeningPort("0.0.0.0:" + port)` (gRPC opens it as the dual-stack `[::]`)
 whatever the host part says; the host part only tells the *other* workers
 where to connect. There is no TF_CONFIG field, `ServerDef` field or
-environment variable that restricts the listening address, so tfdp cannot
-make a worker listen on 127.0.0.1 only -- not even in a one-host launch. What
-the launcher does instead:
+environment variable that restricts the listening address. What the
+launcher does:
 
+- without `--bind_all`, it preloads `launch.bind`'s `bind()` shim into every
+  worker, which turns the wildcard bind into a bind of the worker's own
+  (loopback) address, so nothing outside the machine can reach it;
 - it refuses `--hosts` entries that are not loopback addresses unless
   `--bind_all` is given, and then logs a warning: a job meant to be reached
   from other machines exposes TensorFlow's gRPC endpoints, which have no
   authentication or encryption, to everyone who can reach those ports (run it
-  on a private network, behind a firewall);
+  on a private network, behind a firewall), and those workers get no shim,
+  so they listen on all interfaces;
 - it checks that ports are free on all interfaces (`0.0.0.0`), which is what
-  the worker will bind.
+  the worker binds with `--bind_all` (and is stricter than the shim's bind).
 """
 
 from __future__ import annotations
