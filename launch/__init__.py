@@ -13,9 +13,9 @@ as one fails.
 - Binding: TensorFlow's gRPC server listens on *all* interfaces whatever the
   TF_CONFIG address says, and nothing in TensorFlow 2.21 restricts it (see
   `launch.nodes`), so the launcher preloads a small `bind()` shim
-  (`launch.bind`) that makes each worker listen on its own loopback address
-  only. `--hosts` addresses that are not loopback need `--bind_all`: no shim,
-  the workers listen on all interfaces, and a warning says the endpoints are
+  (`launch.bind`) that makes each worker listen on its own `--hosts` address
+  only (loopback by default). Addresses other machines can reach, and
+  `--bind_all` (no shim: all interfaces), log a warning that the endpoints are
   unauthenticated.
 - Restarts: `--max_restarts K` stops and restarts the whole group after a
   worker fails, up to K times (`launch.restarts`); a signal never restarts.

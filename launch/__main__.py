@@ -31,14 +31,15 @@ prefixed with "[RANK] ".
 Several nodes. Run the same command on every node, each with its own
 --node_rank. --hosts lists every node's address and first port in node-rank
 order: node r's local worker i listens on host_r:port_r+i and has global rank
-r*N+i. Addresses that are not loopback need --bind_all.
+r*N+i.
 
 Binding. TensorFlow's gRPC server listens on all interfaces whatever
 TF_CONFIG says; the launcher preloads a bind() shim (launch/bindshim.c, built
-once with cc) so each worker listens on its own loopback address only (a
-warning says so if no C compiler is found). With --bind_all there is no shim: the workers
-listen on all interfaces with no authentication, so such a job must run on a
-private, firewalled network.
+once with cc) so each worker listens only on its own --hosts address
+(127.0.0.1 by default; a warning says so if no C compiler is found). The
+endpoints have no authentication: a job on addresses other machines can reach
+logs a warning and must run on a private, firewalled network. With --bind_all
+there is no shim and the workers listen on all interfaces (also warned).
 
 Restarts. With --max_restarts K, when a worker fails the whole group is
 stopped and started again (fresh free ports, or the same fixed ones), up to K
@@ -136,9 +137,9 @@ def _launch_parser() -> argparse.ArgumentParser:
                         help="every node's address and first worker port, in node-rank "
                              "order (needed when M > 1)")
     parser.add_argument("--bind_all", action="store_true",
-                        help="accept --hosts addresses other machines can reach; workers then "
-                             "listen on all interfaces (the gRPC endpoints are "
-                             "unauthenticated; logs a warning)")
+                        help="workers listen on all interfaces instead of their own --hosts "
+                             "address only (the gRPC endpoints are unauthenticated; logs a "
+                             "warning)")
     return parser
 
 

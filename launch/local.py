@@ -369,7 +369,7 @@ def plan_nodes(
     _check_ports_free(layout.ports, where=f"`hosts` entry {node_rank} ({layout.this_node}):",
                       fix=f"Give node {node_rank} another first port in `hosts`. "
                           f"Received: hosts={_echo(','.join(map(str, layout.hosts)))}")
-    # Without --bind_all every address is loopback (check_hosts): bind it only.
+    # Without --bind_all the workers listen on this node's --hosts address only.
     bind_env, bind_warning = ({}, "") if bind_all else _bind_environment(
         layout.this_node.host, environ)
     return LocalLaunchPlan(
@@ -482,6 +482,13 @@ def run_plan(
         126/127 if a worker could not be started.
     """
     warnings = []
+    if plan.exposed and not plan.bind_all:
+        warnings.append(
+            f"warning: workers are reached at {', '.join(plan.exposed)}, which other "
+            f"machines can reach; this node's workers listen on {plan.host} only (ports "
+            f"{','.join(map(str, plan.ports))}). TensorFlow's gRPC endpoints have no "
+            "authentication or encryption: anyone who can reach them can run TensorFlow "
+            "operations in the workers. Keep the job on a private, firewalled network.")
     if plan.bind_all:
         reached = (f"workers are reached at {', '.join(plan.exposed)}" if plan.exposed
                    else "every --hosts address is loopback")

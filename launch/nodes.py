@@ -29,13 +29,13 @@ launcher does:
 
 - without `--bind_all`, it preloads `launch.bind`'s `bind()` shim into every
   worker, which turns the wildcard bind into a bind of the worker's own
-  (loopback) address, so nothing outside the machine can reach it;
-- it refuses `--hosts` entries that are not loopback addresses unless
-  `--bind_all` is given, and then logs a warning: a job meant to be reached
-  from other machines exposes TensorFlow's gRPC endpoints, which have no
-  authentication or encryption, to everyone who can reach those ports (run it
-  on a private network, behind a firewall), and those workers get no shim,
-  so they listen on all interfaces;
+  address from `--hosts` (loopback by default, so nothing outside the
+  machine can reach it);
+- a job whose `--hosts` other machines can reach logs a warning: TensorFlow's
+  gRPC endpoints have no authentication or encryption, so run it on a
+  private network, behind a firewall;
+- `--bind_all` turns the shim off (the workers listen on all interfaces) and
+  logs that warning too;
 - it checks that ports are free on all interfaces (`0.0.0.0`), which is what
   the worker binds with `--bind_all` (and is stricter than the shim's bind).
 """
@@ -275,15 +275,15 @@ def check_hosts(layout: NodeLayout, *, bind_all: bool) -> list[str]:
     """Checks the layout's addresses against the network and this machine.
 
     Resolves every host; refuses two entries that resolve to the same
-    address with overlapping port ranges; refuses non-loopback addresses
-    unless `bind_all` (see the module docstring); and checks that this node's
+    address with overlapping port ranges; lists the addresses other machines
+    can reach (for the launcher's warning); and checks that this node's
     own address belongs to this machine (a wrong `node_rank` would otherwise
     make two processes claim the same rank and hang the job).
 
     Args:
         layout: from `plan_layout`.
-        bind_all: whether the user accepted a job reachable from other
-            machines (`--bind_all`).
+        bind_all: whether the workers will listen on all interfaces
+            (`--bind_all`).
 
     Returns:
         The non-loopback `--hosts` entries, as `host:port` strings (empty for
@@ -291,8 +291,7 @@ def check_hosts(layout: NodeLayout, *, bind_all: bool) -> list[str]:
 
     Raises:
         ValueError: naming the `hosts` entry, if a host does not resolve,
-            two entries overlap, a non-loopback address is used without
-            `bind_all`, or this node's address is not this machine's.
+            two entries overlap, or this node's address is not this machine's.
     """
     resolved = [_resolve(entry, rank) for rank, entry in enumerate(layout.hosts)]
     n = layout.nproc_per_node
@@ -309,14 +308,6 @@ def check_hosts(layout: NodeLayout, *, bind_all: bool) -> list[str]:
                 )
     exposed = [str(entry) for entry, addresses in zip(layout.hosts, resolved)
                if not _is_loopback(addresses)]
-    if exposed and not bind_all:
-        raise ValueError(
-            f"`hosts` has addresses other machines can reach ({', '.join(exposed)}). "
-            "TensorFlow's gRPC workers have no authentication or encryption and listen "
-            "on all interfaces, so anyone who can reach these ports can run TensorFlow "
-            "operations (which read and write files) in the workers. Pass --bind_all to accept that (on a private, firewalled "
-            "network), or use loopback addresses (127.0.0.1) for a job on one machine."
-        )
     mine = resolved[layout.node_rank]
     if not any(_bindable(address) for address in mine):
         raise ValueError(

@@ -62,8 +62,6 @@ from tfdp.cluster import free_ports, parse_tf_config
           "--", "python"], "nnodes=3, but it has 2"),
         (["--nproc_per_node", "1", "--nnodes", "2", "--hosts", "127.0.0.1:5000,127.0.0.1",
           "--", "python"], "`hosts` entry 1 must be host:port"),
-        (["--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "1", "--hosts",
-          "10.255.255.1:2222,127.0.0.1:5010", "--", "python"], "Pass --bind_all"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, fragment, capsys):

@@ -412,6 +412,21 @@ def test_plan_nodes_rejects_bad_arguments(kwargs, error, fragment):
     assert fragment in str(info.value)
 
 
+def test_reachable_hosts_without_bind_all_bind_this_nodes_address_and_warn(tmp_path):
+    p, _ = _two_free_ranges(1)
+    plan = local.plan_nodes(["true"], nnodes=2, node_rank=1,
+                            hosts=f"10.255.255.1:2222,127.0.0.1:{p}", nproc_per_node=1)
+    assert plan.exposed == ("10.255.255.1:2222",) and not plan.bind_all
+    if not plan.bind_warning:  # the shim was built: this node's address only
+        assert plan.workers[0].env["TFDP_BIND_ADDRESS"] == "127.0.0.1"
+    err = io.BytesIO()
+    assert local.run_plan(plan, stdout=io.BytesIO(), stderr=err) == 0
+    first = err.getvalue().decode().splitlines()[0]
+    assert first.startswith("[launch] warning: workers are reached at 10.255.255.1:2222, "
+                            "which other machines can reach; this node's workers listen "
+                            "on 127.0.0.1 only")
+
+
 def test_bind_all_logs_the_unauthenticated_endpoint_warning(tmp_path):
     p, _ = _two_free_ranges(1)
     plan = local.plan_nodes(["true"], nnodes=2, node_rank=1, bind_all=True,

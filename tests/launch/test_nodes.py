@@ -95,13 +95,11 @@ def test_check_hosts_accepts_loopback_without_bind_all():
                              bind_all=False) == []
 
 
-def test_non_loopback_addresses_need_bind_all():
+def test_non_loopback_addresses_are_listed_for_the_warning():
+    # Workers listen on their own --hosts address (the bind shim), so an
+    # address other machines can reach needs no --bind_all, only the warning.
     layout = _layout("10.255.255.1:2222,127.0.0.1:2222", node_rank=1)
-    with pytest.raises(ValueError) as info:
-        nodes.check_hosts(layout, bind_all=False)
-    message = str(info.value)
-    assert "10.255.255.1:2222" in message and "Pass --bind_all" in message
-    assert "no authentication" in message
+    assert nodes.check_hosts(layout, bind_all=False) == ["10.255.255.1:2222"]
     assert nodes.check_hosts(layout, bind_all=True) == ["10.255.255.1:2222"]
 
 
