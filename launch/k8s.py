@@ -35,8 +35,7 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
 
-def _echo(value: Any) -> str:
-    return repr(value)
+_echo = _checks.echo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -126,8 +126,7 @@ class LocalLaunchPlan:
         return f"{text}: {' '.join(self.command)}"
 
 
-def _echo(value: Any) -> str:
-    return repr(value)
+_echo = _checks.echo
 
 
 def _check_command(command: Sequence[str], path: str | None) -> tuple[str, ...]:

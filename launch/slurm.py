@@ -36,8 +36,7 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
 
 
-def _echo(value: Any) -> str:
-    return repr(value)
+_echo = _checks.echo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
