@@ -162,6 +162,27 @@ def _environment(env: Mapping[str, str] | None, token: str) -> dict[str, str]:
     return environ
 
 
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free now (skips the test if none)."""
+    import socket
+
+    import pytest
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("", 0))
+            port = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("", port + 1))
+                except OSError:
+                    continue
+        return port
+    pytest.skip("no two consecutive free ports found")
+
+
 def marked_processes(token: str) -> list[int]:
     """Pids of live processes whose environment carries `TOKEN_VAR=token`."""
     needle = f"{TOKEN_VAR}={token}".encode()

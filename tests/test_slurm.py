@@ -7,14 +7,13 @@ that find each other through that environment alone (no TF_CONFIG).
 
 import io
 import os
-import socket
 import sys
 
 import pytest
 import tensorflow as tf
 
 from launch.worker_group import WorkerGroup, WorkerSpec
-from multiworker import REPO_ROOT, assert_processes_gone, write_worker_script
+from multiworker import REPO_ROOT, assert_processes_gone, free_port_pair, write_worker_script
 from tfdp import slurm
 from tfdp import strategy as strategy_lib
 
@@ -275,27 +274,11 @@ print(f"all-reduce {float(total)} worker {info.worker_index} of {info.num_worker
 """
 
 
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.skip("no two consecutive free ports found")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_workers_all_reduce_inside_a_faked_slurm_step(tmp_path):
     script = write_worker_script(tmp_path, ALL_REDUCE_WORKER)
-    base = _free_port_pair()
+    base = free_port_pair()
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("SLURM") and k != "TF_CONFIG"}
     environ.update(PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2",

@@ -3,7 +3,6 @@
 import ipaddress
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ import pytest
 
 from launch import bind as bind_lib
 from launch import local
-from multiworker import run_worker_script
+from multiworker import free_port_pair, run_worker_script
 
 BIND_PROBE = textwrap.dedent("""
     import socket
@@ -147,27 +146,11 @@ def test_tensorflow_workers_listen_on_loopback_only(tmp_path):
         assert not ipaddress.ip_address(address).is_unspecified
 
 
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.skip("no two consecutive free ports found")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bind_all_workers_listen_on_all_interfaces(tmp_path):
     # The control: without the shim, the same probe sees TensorFlow's wildcard bind.
-    port = _free_port_pair()
+    port = free_port_pair()
     result, addresses = _listening(tmp_path, launch_args=(
         "--nnodes", "1", "--hosts", f"127.0.0.1:{port}", "--bind_all"))
     assert addresses and all(ipaddress.ip_address(a).is_unspecified for a in addresses), (
