@@ -63,7 +63,16 @@ def _no_coordination_service_left_configured(monkeypatch):
         ),
         (
             dict(num_gpus=0, num_workers=2),
-            dict(kind="multi_worker", communication="auto", num_replicas=2),
+            dict(kind="multi_worker", communication="auto", num_replicas=2,
+                 bytes_per_pack=strategy_lib.CPU_BYTES_PER_PACK),
+        ),
+        (  # 4 MiB packs are the default on CPU workers only
+            dict(num_gpus=2, num_workers=2),
+            dict(kind="multi_worker", bytes_per_pack=0, num_replicas=4),
+        ),
+        (  # 0 is TensorFlow's one pack, also on CPU workers
+            dict(num_gpus=0, num_workers=2, bytes_per_pack=0),
+            dict(kind="multi_worker", bytes_per_pack=0),
         ),
         (
             dict(num_gpus=2, num_workers=2, communication="nccl", bytes_per_pack=1 << 20,

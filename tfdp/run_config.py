@@ -68,7 +68,7 @@ class RunConfig:
     cpu_replicas: int | None = None
     cross_device_ops: str = "auto"
     communication: str = "auto"
-    bytes_per_pack: int = 0
+    bytes_per_pack: int | None = None
     collective_timeout: float | None = None
 
     global_batch: int | None = None
@@ -117,7 +117,7 @@ class RunConfig:
         _positive("epochs", self.epochs)
         _positive("steps_per_epoch", self.steps_per_epoch, allow_none=True)
         _positive("cpu_replicas", self.cpu_replicas, allow_none=True)
-        _positive("bytes_per_pack", self.bytes_per_pack, minimum=0)
+        _positive("bytes_per_pack", self.bytes_per_pack, minimum=0, allow_none=True)
         _positive("accum_steps", self.accum_steps, hint=" (1: no accumulation)")
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("checkpoint_every", self.checkpoint_every, allow_none=True)

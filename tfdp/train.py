@@ -52,7 +52,8 @@ flags.DEFINE_enum("cross_device_ops", _D.cross_device_ops, strategy_lib.CROSS_DE
 flags.DEFINE_enum("communication", _D.communication, strategy_lib.COMMUNICATIONS,
                   "MultiWorkerMirroredStrategy collectives.")
 flags.DEFINE_integer("bytes_per_pack", _D.bytes_per_pack, "MultiWorkerMirroredStrategy "
-                     "gradient pack size in bytes (0: TensorFlow's default).")
+                     "gradient pack size in bytes (0: one pack, TensorFlow's default; "
+                     "unset: 4 MiB on CPU workers, 0 on GPU workers).")
 flags.DEFINE_float("collective_timeout", None, "MultiWorkerMirroredStrategy: fail a collective "
                    "that waits longer than this many seconds for a stuck or stopped worker "
                    "(default: wait forever).")
