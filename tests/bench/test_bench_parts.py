@@ -14,6 +14,7 @@ from tfdp.bench import input_pipeline
 from tfdp.bench import peer_torch
 from tfdp.bench import procs
 from tfdp.bench import report
+from tfdp.bench import scaling
 from tfdp.bench import suite
 from tfdp.bench import targets
 from tfdp.bench import workloads
@@ -119,3 +120,59 @@ def test_report_of_a_run_where_every_case_failed_or_was_skipped(tmp_path):
     assert markdown.count("*Failed:*") == len(suite.CASES) - 1
     assert json.load(open(paths["json"]))["cases"]["peer_torch"]["status"] == "skipped"
     assert open(paths["png"], "rb").read(4) == b"\x89PNG"
+
+
+def _throughput_run(step_ms_by_path: dict, strategy: str) -> dict:
+    return {"strategy": strategy, "per_replica_batch": 64, "steps_per_execution": 10,
+            "paths": {path: {"step_ms": ms} for path, ms in step_ms_by_path.items()}}
+
+
+def test_step_breakdown_parts_are_differences_that_add_up_to_the_step():
+    runs = {
+        "1": _throughput_run({"loop_n": 20.0, "trainer": 21.0}, "default"),
+        "2": _throughput_run({"loop_n": 30.0, "loop_n_local": 23.0, "loop_n_sync": 26.5,
+                              "trainer": 31.0, "input": 0.1}, "MultiWorkerMirroredStrategy"),
+    }
+    all_reduce = {"status": "ok", "packs": [
+        {"model": "cnn", "bytes_per_pack": 0, "seconds": 0.005},
+        {"model": "cnn", "bytes_per_pack": 4194304, "seconds": 0.004}]}
+    parts = scaling.breakdown(runs, all_reduce)
+    assert set(parts) == {"loop_n", "trainer"}  # diagnostics and input are not explained
+    trainer = parts["trainer"]
+    assert trainer == pytest.approx({
+        "step_ms": 31.0, "compute_ms": 20.0, "two_processes_ms": 3.0,
+        "synchronisation_ms": 3.5, "gradient_bytes_ms": 3.5, "framework_ms": 1.0,
+        "gradient_all_reduce_alone_ms": 5.0})
+    for part in parts.values():
+        assert sum(part[name] for name, _ in report.BREAKDOWN_PARTS) == pytest.approx(
+            part["step_ms"])
+    del runs["2"]["paths"]["loop_n_sync"]
+    assert scaling.breakdown(runs, all_reduce) == {}  # cannot split without it
+
+
+@pytest.mark.parametrize("exchange", ["all_reduce", "none", "sync", "two_buckets"])
+def test_gradient_exchanges_of_the_diagnostic_loops(exchange):
+    import tensorflow as tf
+
+    import tfdp
+    from tfdp.bench import throughput
+
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    with strategy.scope():
+        model = workloads.build_cnn()
+    variables = model.trainable_variables
+
+    def replica_fn():
+        context = tf.distribute.get_replica_context()
+        scale = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
+        gradients = [tf.ones(v.shape) * scale for v in variables]
+        return throughput._exchange_gradients(gradients, variables, exchange)
+
+    per_replica, reduced = strategy.run(replica_fn)
+    assert reduced == (exchange != "all_reduce")
+    expected = {"all_reduce": (1.0, 2.0), "none": (1.0, 2.0), "sync": (1.0, 2.0),
+                "two_buckets": (3.0, 3.0)}[exchange]
+    for gradient in per_replica:
+        local = [t.numpy() for t in strategy.experimental_local_results(gradient)]
+        assert [float(v.flat[0]) for v in local] == list(expected)
+        assert all((v == v.flat[0]).all() for v in local)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tfdp.bench import report
 from tfdp.bench import suite
 from tfdp.bench import targets
 
@@ -42,6 +43,13 @@ def test_quick_suite_writes_every_case(tmp_path):
             assert case["reason"], name
     assert [t["name"] for t in results["targets"]] == [t.name for t in targets.TARGETS]
     assert results["machine"]["cores"] >= 1 and results["machine"]["tensorflow"]
+    # The 2-worker step is split into parts measured in the same processes.
+    assert set(results["breakdown"]) == {"keras_fit_n", "tfdp_fit", "trainer", "loop_n"}
+    for part in results["breakdown"].values():
+        assert sum(part[name] for name, _ in report.BREAKDOWN_PARTS) == pytest.approx(
+            part["step_ms"])
+    accumulation = results["cases"]["accumulation"]
+    assert [len(samples) for samples in accumulation["times"].values()] == [2, 2]
 
     markdown = (out_dir / "results.md").read_text()
     for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",

@@ -11,8 +11,16 @@ float32 gradients per all-reduce) with a small micro-batch, on two workers
   (the k = 1 run), one optimizer step and one all-reduce per micro-batch, so
   a global batch costs k of its steps.
 
-Each configuration runs in fresh worker processes (`measure`), so its peak
-memory is its own: the process's peak resident set (`VmHWM` in
+Time: one launch (`measure_times`) builds a model per k and times them in
+alternation, round after round, so every k sees the same minutes of a shared
+machine. On the shared 2-core VM the suite was written on, interference only
+ever adds time, in bursts that can double a call (a 1-worker k = 8 run took
+0.118 to 0.256 s per global batch), so, as the throughput case does, the
+speed-up compares the fastest calls: k × (fastest k = 1 time) ÷ (fastest time
+at k). The median over rounds of the same ratio within each round is
+reported beside it. Memory: each configuration runs in fresh worker
+processes (`measure`), so its peak memory is its own: the process's peak
+resident set (`VmHWM` in
 /proc/self/status) and TensorFlow's CPU allocator peak
 (`tf.config.experimental.get_memory_info`, which does track host memory),
 both after warm-up minus before, and in total. A separate single process
@@ -113,6 +121,42 @@ def measure(spec: dict) -> dict:
     }
 
 
+def measure_times(spec: dict) -> dict:
+    """Times every k in one launch, in alternation (a `tfdp.bench.worker` job).
+
+    Args:
+        spec: `accum_steps` (list of k), and optionally `micro_batch`,
+            `steps` (optimizer steps per timed call), `repeats` (rounds; each
+            round times every k once, in order).
+
+    Returns:
+        `{"num_replicas", "samples": {str(k): [seconds per global batch, one
+        per round]}, "warmup_seconds": {str(k): ...}}`.
+    """
+    spec = {**_DEFAULTS, **spec}
+    import tfdp
+    from tfdp.bench import workloads
+
+    strategy = tfdp.make_strategy()
+    runners, warmup = {}, {}
+    for k in spec["accum_steps"]:
+        start = time.perf_counter()
+        model = _compiled_mlp(strategy, k, spec)
+        dataset = workloads.synthetic_dataset(
+            (workloads.MLP_INPUT,), spec["micro_batch"] * strategy.num_replicas_in_sync * k)
+        model.fit(dataset, epochs=1, steps_per_epoch=spec["steps"], verbose=0)  # warm-up
+        runners[k] = (model, dataset)
+        warmup[str(k)] = time.perf_counter() - start
+    samples = {str(k): [] for k in runners}
+    for _ in range(spec["repeats"]):
+        for k, (model, dataset) in runners.items():
+            start = time.perf_counter()
+            model.fit(dataset, epochs=1, steps_per_epoch=spec["steps"], verbose=0)
+            samples[str(k)].append((time.perf_counter() - start) / spec["steps"])
+    return {"num_replicas": strategy.num_replicas_in_sync, "samples": samples,
+            "warmup_seconds": warmup}
+
+
 def _counting_strategy():
     """MirroredStrategy over /cpu:0, /cpu:1 counting the reductions it launches."""
     import tensorflow as tf
@@ -166,14 +210,18 @@ def count_all_reduces(spec: dict) -> dict:
 
 
 def run(*, accum_steps=(1, 4, 8), micro_batch: int = 16, steps: int = 20, repeats: int = 3,
-        nproc: int = 2, threads: int | None = 1, timeout: float = 300.0) -> dict:
-    """Runs the accumulation case: one fresh `nproc`-worker job per k.
+        rounds: int = 5, nproc: int = 2, threads: int | None = 1,
+        timeout: float = 300.0) -> dict:
+    """Runs the accumulation case: one `nproc`-worker job timing every k in
+    alternation, then one fresh job per k for its peak memory.
 
     Args:
         accum_steps: values of k; must include 1 (the per-micro-batch baseline).
         micro_batch: examples per replica per micro-batch.
         steps: optimizer steps per timed call.
-        repeats: timed calls per configuration (the median is used).
+        repeats: timed calls per memory job (their median is reported as
+            "separate launches").
+        rounds: alternating rounds of the timing job.
         nproc: worker processes.
         threads: TensorFlow intra-/inter-op threads per worker (None: default).
         timeout: seconds per job.
@@ -191,6 +239,12 @@ def run(*, accum_steps=(1, 4, 8), micro_batch: int = 16, steps: int = 20, repeat
             f"`accum_steps` must include 1, the per-micro-batch baseline. "
             f"Received: accum_steps={tuple(accum_steps)!r}"
         )
+    times = procs.run_job(
+        "accumulation_times",
+        {"accum_steps": list(accum_steps), "micro_batch": micro_batch, "steps": steps,
+         "repeats": rounds, "threads": threads},
+        nproc=nproc, timeout=timeout,
+    )["samples"]
     runs = {}
     for k in accum_steps:
         runs[k] = procs.run_job(
@@ -204,13 +258,19 @@ def run(*, accum_steps=(1, 4, 8), micro_batch: int = 16, steps: int = 20, repeat
     base = runs[1]
     rows = []
     for k, measured in runs.items():
-        per_micro = k * base["seconds_per_global_batch"]
+        timed = times[str(k)]
+        # Per round: k steps of k = 1 against one step of k, seconds apart.
+        speedups = [k * one / mine for one, mine in zip(times["1"], timed)]
         rows.append({
             "accum_steps": k,
             "global_batch": measured["global_batch"],
-            "accumulated_seconds_per_global_batch": measured["seconds_per_global_batch"],
-            "per_micro_batch_seconds_per_global_batch": per_micro,
-            "speedup": per_micro / measured["seconds_per_global_batch"],
+            "accumulated_seconds_per_global_batch": min(timed),
+            "median_accumulated_seconds_per_global_batch": statistics.median(timed),
+            "per_micro_batch_seconds_per_global_batch": k * min(times["1"]),
+            "speedup": k * min(times["1"]) / min(timed),
+            "median_speedup": statistics.median(speedups),
+            "speedup_samples": speedups,
+            "separate_launch_seconds_per_global_batch": measured["seconds_per_global_batch"],
             "peak_rss_bytes": measured["peak_rss_bytes"],
             "rss_growth_bytes": measured["rss_growth_bytes"],
             "tf_peak_bytes": measured["tf_peak_bytes"],
@@ -228,6 +288,8 @@ def run(*, accum_steps=(1, 4, 8), micro_batch: int = 16, steps: int = 20, repeat
         "parameters": base["parameters"],
         "micro_batch": micro_batch,
         "num_replicas": base["num_replicas"],
+        "rounds": rounds,
         "rows": rows,
+        "times": times,
         "runs": {str(k): v for k, v in runs.items()},
     }

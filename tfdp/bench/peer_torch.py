@@ -99,6 +99,10 @@ def measure(spec: dict) -> dict:
             run(spec["steps"])
             samples.append(spec["steps"] * batch * world / (time.perf_counter() - start))
         parameters = sum(p.numel() for p in model.parameters())
+        # Every rank is done with gloo before any tears it down: a rank still
+        # talking to rank 0's store when rank 0 destroys the group aborted
+        # ("terminate called without an active exception", exit 134).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return {

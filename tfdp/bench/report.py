@@ -29,7 +29,19 @@ PATH_LABELS = {
     "trainer": "tfdp Trainer (steps_per_loop=N)",
     "loop_1": "hand-written loop, 1 step per call",
     "loop_n": "hand-written loop, N steps per call",
+    "loop_n_local": "loop, N steps per call, no gradient all-reduce (diagnostic)",
+    "loop_n_sync": "loop, N steps per call, 4-byte all-reduce only (diagnostic)",
+    "loop_n_overlap": "loop, N steps per call, two buckets overlapping backprop",
 }
+
+#: The parts of a step (`tfdp.bench.scaling.breakdown`), in stacking order.
+BREAKDOWN_PARTS = (
+    ("compute_ms", "compute (loop_n, 1 worker)"),
+    ("two_processes_ms", "two processes on the machine"),
+    ("synchronisation_ms", "synchronisation + collective latency"),
+    ("gradient_bytes_ms", "gradient bytes"),
+    ("framework_ms", "framework"),
+)
 
 
 def _f(value, digits=0, suffix=""):
@@ -109,16 +121,20 @@ def _overhead(case) -> list[str]:
 
 
 def _breakdown(parts) -> list[str]:
-    lines = ["Each part measured on its own (a negative framework cost is within the noise: "
-             "that path ran as fast as `loop_n` on one worker).", "",
-             "| path (2 workers) | step | compute (loop_n, 1 worker) | framework, 1 worker | "
-             "gradient all-reduce (alone) | other multi-worker cost | input alone |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["Each part is the difference of two paths timed in the same processes "
+             "(`tfdp/bench/scaling.py`): two processes = `loop_n_local` (no gradient "
+             "all-reduce) at 2 workers − `loop_n` at 1; synchronisation = `loop_n_sync` "
+             "(a 4-byte all-reduce per step) − `loop_n_local`; gradient bytes = `loop_n` − "
+             "`loop_n_sync`; framework = the path − `loop_n`. A negative part is within "
+             "the noise.", "",
+             "| path (2 workers) | step | " + " | ".join(label for _, label in BREAKDOWN_PARTS)
+             + " | gradient all-reduce alone |",
+             "|---|---|" + "---|" * (len(BREAKDOWN_PARTS) + 1)]
     for path, p in parts.items():
         lines.append(
-            f"| {PATH_LABELS.get(path, path)} | {_f(p['step_ms'], 1)} | {_f(p['compute_ms'], 1)} | "
-            f"{_f(p['framework_1_worker_ms'], 1)} | {_f(p['gradient_all_reduce_ms'], 1)} | "
-            f"{_f(p['other_multi_worker_ms'], 1)} | {_f(p.get('input_ms'), 2)} |")
+            f"| {PATH_LABELS.get(path, path)} | {_f(p['step_ms'], 1)} | "
+            + " | ".join(_f(p[name], 1) for name, _ in BREAKDOWN_PARTS)
+            + f" | {_f(p.get('gradient_all_reduce_alone_ms'), 1)} |")
     return lines
 
 
@@ -137,8 +153,13 @@ def _peer(case) -> list[str]:
 
 def _accumulation(case) -> list[str]:
     mb = 1e6
-    lines = [case["workload"] + "; time per global batch (median), peaks per worker process.", "",
-             "| k | global batch | accumulated (s) | all-reduce every micro-batch (s) | speed-up | "
+    lines = [case["workload"] + f"; every k timed in one launch, in alternation, "
+             f"{case['rounds']} rounds: time per global batch of the fastest round, speed-up "
+             "k × (fastest k = 1 time) ÷ (fastest time at k), in brackets the median over "
+             "rounds of each round's ratio; peaks per worker process, each k in fresh "
+             "processes.", "",
+             "| k | global batch | accumulated (s) | all-reduce every micro-batch (s) | "
+             "speed-up (median) | "
              "all-reduces per global batch (accum / per micro) | TF peak MB (÷ k=1) | "
              "VmHWM MB (÷ k=1) | VmHWM growth in training MB |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -146,7 +167,8 @@ def _accumulation(case) -> list[str]:
         lines.append(
             f"| {r['accum_steps']} | {r['global_batch']} | "
             f"{_f(r['accumulated_seconds_per_global_batch'], 3)} | "
-            f"{_f(r['per_micro_batch_seconds_per_global_batch'], 3)} | {_f(r['speedup'], 2)}× | "
+            f"{_f(r['per_micro_batch_seconds_per_global_batch'], 3)} | {_f(r['speedup'], 2)}× "
+            f"({_f(r.get('median_speedup'), 2)}×) | "
             f"{_f(r['all_reduces_accumulated'])} / {_f(r['all_reduces_per_micro_batch'])} | "
             f"{_f(r['tf_peak_bytes'] / mb)} ({_f(r['tf_peak_ratio'], 2)}) | "
             f"{_f(r['peak_rss_bytes'] / mb)} ({_f(r['peak_rss_ratio'], 2)}) | "
@@ -242,12 +264,8 @@ def _plot(results: dict, path: str) -> None:
 
     parts = results.get("breakdown") or {}
     if parts:
-        names = ("compute_ms", "framework_1_worker_ms", "gradient_all_reduce_ms",
-                 "other_multi_worker_ms")
-        labels = ("compute (loop_n, 1 worker)", "framework, 1 worker",
-                  "gradient all-reduce", "other multi-worker cost")
         bottoms = [0.0] * len(parts)
-        for name, label in zip(names, labels):
+        for name, label in BREAKDOWN_PARTS:
             values = [max(p[name], 0.0) for p in parts.values()]
             breakdown_ax.bar(list(parts), values, bottom=bottoms, label=label)
             bottoms = [b + v for b, v in zip(bottoms, values)]

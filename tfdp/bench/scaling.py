@@ -4,18 +4,21 @@ This module owns the scaling summary of the throughput runs
 (`tfdp.bench.throughput.run`, the CNN at a fixed per-replica batch, one
 worker process per replica started by `python -m launch`): per training
 path, global images/s at each worker count and the scaling efficiency
-`throughput(n) / (n × throughput(1))`. It also splits a 2-worker step into
-parts measured separately:
+`throughput(n) / (n × throughput(1))`. It also splits a 2-worker step into parts, each the difference of two
+paths timed in the same processes (`tfdp.bench.throughput`):
 
-- compute: the 1-worker step of the leanest path (`loop_n`, a hand-written
-  loop with N steps per `tf.function` call and no metrics);
-- framework, 1 worker: the path's 1-worker step minus that (metrics, logs,
-  callbacks, Python per call);
-- gradient all-reduce: the CNN's gradient list all-reduced alone (from the
-  all-reduce case, `bytes_per_pack=0`, TensorFlow's default);
-- other multi-worker cost: what remains of the 2-worker step (small
-  all-reduces for logs and metrics, host syncs, waiting for the slower
-  worker, two processes sharing the machine).
+- compute: the 1-worker step of `loop_n` (a hand-written loop, N steps per
+  `tf.function` call, no metrics);
+- two processes: `loop_n_local` at 2 workers (no gradient all-reduce) minus
+  that: the workers slowing each other down on a shared machine;
+- synchronisation: `loop_n_sync` (a 4-byte all-reduce per step) minus
+  `loop_n_local`: waiting for the slower worker and the collective's latency;
+- gradient bytes: `loop_n` minus `loop_n_sync`: moving the gradients;
+- framework: the path minus `loop_n`, both at 2 workers (metrics, logs,
+  callbacks, Python per call).
+
+The gradient all-reduce timed alone (the all-reduce case, `bytes_per_pack=0`)
+is reported beside them.
 """
 
 from __future__ import annotations
@@ -57,42 +60,51 @@ def summarize(runs: dict, *, paths=None) -> dict:
     }
 
 
+#: Paths that only serve to split the step (not trained with for real).
+DIAGNOSTIC_PATHS = ("loop_n_local", "loop_n_sync", "input")
+
+
 def breakdown(runs: dict, all_reduce: dict | None, *, workers: str = "2") -> dict:
     """Splits each path's `workers`-worker step time (ms) into measured parts.
 
     Args:
-        runs: `throughput.run`'s result with "1" and `workers`, including
-            `loop_n`.
-        all_reduce: the all-reduce case's result, or None (the all-reduce
-            part is then folded into "other").
+        runs: `throughput.run`'s result with "1" and `workers`, including the
+            paths `loop_n`, `loop_n_local` and `loop_n_sync`.
+        all_reduce: the all-reduce case's result, or None (then no
+            `gradient_all_reduce_alone_ms`).
         workers: the worker count to explain. Defaults to "2".
 
     Returns:
-        `{path: {"step_ms", "compute_ms", "framework_1_worker_ms",
-        "gradient_all_reduce_ms", "other_multi_worker_ms"}}`.
+        `{path: {"step_ms", "compute_ms", "two_processes_ms",
+        "synchronisation_ms", "gradient_bytes_ms", "framework_ms",
+        "gradient_all_reduce_alone_ms"}}`, or `{}` when a needed path or
+        worker count was not measured. The parts sum to `step_ms`; a
+        negative part is within the noise.
     """
-    if workers not in runs or "loop_n" not in runs["1"]["paths"]:
+    needed = ("loop_n", "loop_n_local", "loop_n_sync")
+    if workers not in runs or "1" not in runs or any(
+        path not in runs[workers]["paths"] for path in needed
+    ) or "loop_n" not in runs["1"]["paths"]:
         return {}
+    many = {path: row["step_ms"] for path, row in runs[workers]["paths"].items()}
     compute = runs["1"]["paths"]["loop_n"]["step_ms"]
-    gradient_ms = 0.0
+    alone = None
     if all_reduce and all_reduce.get("status") == "ok":
-        gradient_ms = 1000.0 * next(
+        alone = 1000.0 * next(
             row["seconds"] for row in all_reduce["packs"]
             if row["model"] == "cnn" and row["bytes_per_pack"] == 0
         )
     parts = {}
-    for path, row in runs[workers]["paths"].items():
-        if path == "input":
+    for path, step in many.items():
+        if path in DIAGNOSTIC_PATHS:
             continue
-        one_worker = runs["1"]["paths"][path]["step_ms"]
         parts[path] = {
-            "step_ms": row["step_ms"],
+            "step_ms": step,
             "compute_ms": compute,
-            "framework_1_worker_ms": one_worker - compute,
-            "gradient_all_reduce_ms": gradient_ms,
-            "other_multi_worker_ms": row["step_ms"] - one_worker - gradient_ms,
+            "two_processes_ms": many["loop_n_local"] - compute,
+            "synchronisation_ms": many["loop_n_sync"] - many["loop_n_local"],
+            "gradient_bytes_ms": many["loop_n"] - many["loop_n_sync"],
+            "framework_ms": step - many["loop_n"],
+            "gradient_all_reduce_alone_ms": alone,
         }
-    if "input" in runs[workers]["paths"]:
-        for part in parts.values():
-            part["input_ms"] = runs[workers]["paths"]["input"]["step_ms"]
     return parts

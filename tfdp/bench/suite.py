@@ -52,6 +52,7 @@ class SuiteConfig:
         accum_steps: accumulation values k (1 is the baseline).
         accum_micro_batch: MLP examples per replica per micro-batch.
         accum_steps_timed: optimizer steps per timed call, accumulation case.
+        accum_rounds: alternating rounds timing every k, accumulation case.
         all_reduce_sizes: message sizes, bytes.
         all_reduce_iterations: calls timed per small message.
         link_gbytes_per_second: link bandwidth for the ring bound; None measures it.
@@ -70,6 +71,7 @@ class SuiteConfig:
     accum_steps: tuple[int, ...] = (1, 4, 8)
     accum_micro_batch: int = 16
     accum_steps_timed: int = 20
+    accum_rounds: int = 5
     all_reduce_sizes: tuple[int, ...] = allreduce.DEFAULT_SIZES
     all_reduce_iterations: int = 30
     link_gbytes_per_second: float | None = None
@@ -102,8 +104,9 @@ class SuiteConfig:
         """The smoke-test sizes: every case, a few steps each (< 3 min on 2 cores)."""
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
-            paths=("keras_fit_n", "tfdp_fit", "trainer", "loop_n", "input"),
-            accum_steps_timed=3, accum_steps=(1, 8), all_reduce_iterations=5,
+            paths=("keras_fit_n", "tfdp_fit", "trainer", "loop_n", "loop_n_local", "loop_n_sync",
+                   "input"),
+            accum_steps_timed=3, accum_steps=(1, 8), accum_rounds=2, all_reduce_iterations=5,
             all_reduce_sizes=(4, 40_000, 4_000_000),
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),
                             ("epochs", 1), ("repeats", 1)),
@@ -176,7 +179,8 @@ def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dic
     ), log)
     cases["accumulation"] = _guarded("accumulation", lambda: accumulation.run(
         accum_steps=config.accum_steps, micro_batch=config.accum_micro_batch,
-        steps=config.accum_steps_timed, repeats=config.repeats, nproc=2,
+        steps=config.accum_steps_timed, repeats=config.repeats, rounds=config.accum_rounds,
+        nproc=2,
         threads=config.threads, timeout=config.timeout(300),
     ), log)
     cases["input_pipeline"] = _guarded("input_pipeline", lambda: input_pipeline.run(

@@ -25,6 +25,15 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
 - `loop_1`: a hand-written loop, one `strategy.run` step per `tf.function`
   call, no metrics;
 - `loop_n`: a hand-written loop, N steps per `tf.function` call, no metrics;
+- `loop_n_local`: `loop_n` without the gradient all-reduce (each worker
+  applies its own gradients): what the workers cost each other without
+  communicating (two processes sharing the cores and memory);
+- `loop_n_sync`: `loop_n_local` plus one 4-byte all-reduce per step, which
+  waits for the gradients: synchronisation (waiting for the slower worker) and
+  collective latency, without the gradients' bytes;
+- `loop_n_overlap`: `loop_n` with the gradients all-reduced in two buckets,
+  last layers first (dense, conv6, conv5: 77% of the bytes), so the first
+  bucket's all-reduce can run during the backward pass of conv4..conv1;
 - `input`: no training, only N batches pulled from the distributed iterator
   per `tf.function` call (what the input costs a step).
 """
@@ -35,7 +44,14 @@ import statistics
 import time
 from typing import Callable
 
-PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "trainer", "loop_1", "loop_n", "input")
+PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "trainer", "loop_1", "loop_n",
+         "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
+
+#: How the hand-written loops exchange gradients (see the module docstring).
+_EXCHANGES = {"loop_1": "all_reduce", "loop_n": "all_reduce", "loop_n_local": "none",
+              "loop_n_sync": "sync", "loop_n_overlap": "two_buckets"}
+#: `loop_n_overlap`'s first bucket: the CNN's variables from conv5 on.
+_OVERLAP_FIRST_LAYER = "conv5"
 
 _DEFAULTS = {
     "per_replica_batch": 64,
@@ -129,9 +145,38 @@ def _trainer_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
     return run
 
 
-def _loop_runner(strategy, dataset, spec, *, steps_per_call: int,
+def _exchange_gradients(gradients, variables, exchange: str):
+    """Gradients to apply, after `exchange` (replica context; see `_EXCHANGES`).
+
+    Returns `(gradients, reduced)`: `reduced` says whether the optimizer's own
+    all-reduce must be skipped (the gradients were exchanged here, or are
+    deliberately left local).
+    """
+    import tensorflow as tf
+
+    if exchange == "all_reduce":
+        return gradients, False
+    context = tf.distribute.get_replica_context()
+    if exchange == "none":
+        return gradients, True
+    if exchange == "sync":
+        # 4 bytes that depend on every gradient: the all-reduce waits for the
+        # backward pass, as the gradient all-reduce does.
+        token = tf.add_n([tf.reduce_sum(g[..., :1]) for g in gradients]) * 0.0
+        token = context.all_reduce(tf.distribute.ReduceOp.SUM, token)
+        with tf.control_dependencies([token]):
+            return [tf.identity(g) for g in gradients], True
+    first = next(i for i, v in enumerate(variables)
+                 if v.path.split("/")[-2] == _OVERLAP_FIRST_LAYER)
+    late = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients[first:])
+    early = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients[:first])
+    return list(early) + list(late), True
+
+
+def _loop_runner(strategy, dataset, spec, *, steps_per_call: int, exchange: str,
                  mark) -> Callable[[int], None]:
     import tensorflow as tf
+    from tfdp._upstream import keras_optimizer_reduction
     from tfdp.bench import workloads
 
     with strategy.scope():
@@ -148,7 +193,13 @@ def _loop_runner(strategy, dataset, spec, *, steps_per_call: int,
             losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
             loss = tf.reduce_sum(losses) / global_batch
         variables = model.trainable_variables
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        gradients, reduced = _exchange_gradients(
+            tape.gradient(loss, variables), variables, exchange)
+        if reduced and strategy.num_replicas_in_sync > 1:
+            with keras_optimizer_reduction.gradients_already_reduced(optimizer):
+                optimizer.apply_gradients(zip(gradients, variables))
+        else:
+            optimizer.apply_gradients(zip(gradients, variables))
 
     @tf.function
     def loop(iterator, num_steps):
@@ -199,11 +250,9 @@ def _runner(path, strategy, dataset, spec, mark):
         )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec, mark=mark)
-    if path == "loop_1":
-        return _loop_runner(strategy, dataset, spec, steps_per_call=1, mark=mark)
-    if path == "loop_n":
-        return _loop_runner(strategy, dataset, spec, mark=mark,
-                            steps_per_call=spec["steps_per_execution"])
+    if path in _EXCHANGES:
+        return _loop_runner(strategy, dataset, spec, mark=mark, exchange=_EXCHANGES[path],
+                            steps_per_call=_steps_per_call(path, spec))
     return _input_runner(strategy, dataset, spec, mark=mark)
 
 

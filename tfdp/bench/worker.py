@@ -24,6 +24,7 @@ from typing import Sequence
 JOBS = {
     "throughput": ("tfdp.bench.throughput", "measure", "tensorflow"),
     "accumulation": ("tfdp.bench.accumulation", "measure", "tensorflow"),
+    "accumulation_times": ("tfdp.bench.accumulation", "measure_times", "tensorflow"),
     "count_all_reduces": ("tfdp.bench.accumulation", "count_all_reduces", "tensorflow"),
     "all_reduce": ("tfdp.bench.allreduce", "measure", "tensorflow"),
     "torch_ddp": ("tfdp.bench.peer_torch", "measure", "torch"),
