@@ -24,6 +24,7 @@ def test_defaults_are_valid_and_default_the_global_batch():
         (dict(global_batch=64, decay="exp"), "--decay must be one of"),
         (dict(global_batch=64, loop="estimator"), "--loop must be one of fit, custom"),
         (dict(global_batch=64, mixed_precision="fp8"), "--mixed_precision must be one of"),
+        (dict(all_reduce_dtype="float16"), "--all_reduce_dtype must be one of bfloat16"),
         (dict(global_batch=64, warmup_epochs=1.0, warmup_steps=10), "at most one of --warmup"),
         (dict(global_batch=64, warmup_epochs=20.0, epochs=10), "--warmup_epochs must be in"),
         (dict(global_batch=64, base_lr=0.0), "--base_lr must be > 0"),

@@ -236,7 +236,7 @@ def train_and_evaluate(
             model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
             metrics=["accuracy"], model_dir=config.model_dir,
             steps_per_loop=config.steps_per_loop, checkpoint_every=config.checkpoint_every,
-            jit_compile=config.jit_compile,
+            jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
         )
 
         result = trainer.train(dataset_for_epoch, epochs=config.epochs,
@@ -360,7 +360,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
     accumulation.compile(
         model, optimizer=optimizer, loss=loss, metrics=["accuracy"],
         accum_steps=config.accum_steps, steps_per_execution=steps_per_execution,
-        jit_compile=config.jit_compile,
+        jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
     )
     total_steps = config.epochs * steps_per_epoch
     if config.model_dir and _restore_finished_run(config, model, info, total_steps):

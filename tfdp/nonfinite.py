@@ -54,6 +54,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfdp import reduction
 from tfdp._upstream import keras_optimizer_reduction
 from tfdp._upstream import loss_scale
 
@@ -74,12 +75,20 @@ class NonFiniteError(FloatingPointError):
     """Training stopped: too many non-finite steps in a row, or non-finite weights."""
 
 
-def check_arguments(nonfinite, max_consecutive_nonfinite) -> None:
-    """Validates the `nonfinite` and `max_consecutive_nonfinite` arguments.
+def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None) -> None:
+    """Validates `nonfinite`, `max_consecutive_nonfinite` and `all_reduce_dtype`.
 
     Raises:
-        ValueError: either is invalid.
+        ValueError: one is invalid, or `all_reduce_dtype` is set with
+            `nonfinite=None` (the reduction belongs to the wrappers here).
     """
+    reduction.check_all_reduce_dtype(all_reduce_dtype)
+    if nonfinite is None and all_reduce_dtype is not None:
+        raise ValueError(
+            f"all_reduce_dtype={all_reduce_dtype!r} needs tfdp's gradient reduction, "
+            "which comes with its non-finite step handling. Use nonfinite='skip' "
+            "(the default) or 'raise', or drop all_reduce_dtype."
+        )
     if nonfinite is not None and nonfinite not in MODES:
         raise ValueError(
             "`nonfinite` must be 'skip' (skip and count a step whose loss or gradients "
@@ -121,8 +130,11 @@ class _SkipNonFinite:
     """The guarded `apply`; subclasses say what a finite step and a skip do.
 
     Needs `inner_optimizer`, `max_consecutive_nonfinite` and the counters that
-    `_build_counters` creates.
+    `_build_counters` creates; `all_reduce_dtype` (see `tfdp.reduction`) is
+    the dtype gradients are summed in, `None` for their own.
     """
+
+    all_reduce_dtype: str | None = None
 
     def _build_counters(self) -> None:
         # aggregation="none": every replica computes the same value, and each
@@ -162,7 +174,7 @@ class _SkipNonFinite:
             raise ValueError(f"{type(self).__name__}.apply() must be called in a replica context.")
         reduced = context.num_replicas_in_sync > 1
         if reduced:
-            grads = keras_optimizer_reduction.all_reduce_sum(context, grads)
+            grads = reduction.all_reduce_sum(context, grads, self.all_reduce_dtype)
         # The same value on every replica and worker: computed from the same sums.
         proceed = tf.logical_and(_all_finite(grads), tf.logical_not(self._exhausted()))
 
@@ -212,6 +224,9 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
             further step is applied (training should stop: `StepMonitor`).
             Defaults to 10.
         name: the wrapper's name. Defaults to `"nonfinite_guard"`.
+        all_reduce_dtype: `None` (default) sums gradients over replicas in
+            their own dtype; `"bfloat16"` sends half the bytes
+            (`tfdp.reduction`).
 
     Attributes:
         skipped_steps: int64 variable, steps skipped so far.
@@ -228,9 +243,11 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         inner_optimizer: keras.optimizers.Optimizer,
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
         name: str | None = None,
+        all_reduce_dtype: str | None = None,
         **kwargs,
     ):
         check_arguments("skip", max_consecutive_nonfinite)
+        reduction.check_all_reduce_dtype(all_reduce_dtype)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
@@ -241,6 +258,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name or "nonfinite_guard")
         self.inner_optimizer = inner_optimizer
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.all_reduce_dtype = all_reduce_dtype
 
     def build(self, var_list):
         self._build_counters()
@@ -284,6 +302,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+            "all_reduce_dtype": self.all_reduce_dtype,
         }
 
     @classmethod
@@ -313,6 +332,7 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         inner_optimizer, initial_scale, dynamic_growth_steps, name: as for
             `keras.optimizers.LossScaleOptimizer`.
         max_consecutive_nonfinite: as for `NonFiniteGuard`. Defaults to 10.
+        all_reduce_dtype: as for `NonFiniteGuard`. Defaults to `None`.
     """
 
     def __init__(
@@ -322,14 +342,17 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         dynamic_growth_steps=2000,
         name=None,
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
+        all_reduce_dtype: str | None = None,
         **kwargs,
     ):
         check_arguments("skip", max_consecutive_nonfinite)
+        reduction.check_all_reduce_dtype(all_reduce_dtype)
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
         )
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.all_reduce_dtype = all_reduce_dtype
 
     def build(self, var_list):
         self._build_counters()
@@ -362,7 +385,8 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         )
 
     def get_config(self):
-        return {**super().get_config(), "max_consecutive_nonfinite": self.max_consecutive_nonfinite}
+        return {**super().get_config(), "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+                "all_reduce_dtype": self.all_reduce_dtype}
 
 
 def wrap_optimizer(
@@ -371,6 +395,7 @@ def wrap_optimizer(
     nonfinite: str | None,
     max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
     loss_scaling: bool = False,
+    all_reduce_dtype: str | None = None,
 ):
     """The optimizer to train with, for a `nonfinite` mode.
 
@@ -385,29 +410,40 @@ def wrap_optimizer(
             beyond loss scaling).
         max_consecutive_nonfinite: skipped steps in a row that stop training.
         loss_scaling: use dynamic loss scaling (the `mixed_float16` policy).
+        all_reduce_dtype: the dtype gradients are summed over replicas in
+            (`tfdp.reduction`); `None` for their own. Needs a wrapper, so not
+            with `nonfinite=None`.
 
     Returns:
         `NonFiniteLossScaleOptimizer` under loss scaling, else `NonFiniteGuard`
         (`None` mode: tfdp's `LossScaleOptimizer` or `optimizer` itself).
+
+    Raises:
+        ValueError: an argument is invalid, or `all_reduce_dtype` is set with
+            `nonfinite=None`.
     """
-    check_arguments(nonfinite, max_consecutive_nonfinite)
+    check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, _SkipNonFinite):
+        if all_reduce_dtype is not None:
+            optimizer.all_reduce_dtype = all_reduce_dtype
         return optimizer
     loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if nonfinite is None:
         return loss_scale.with_consistent_loss_scaling(optimizer) if loss_scaling else optimizer
     limit = 1 if nonfinite == "raise" else max_consecutive_nonfinite
     if not loss_scaling:
-        return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit)
+        return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit,
+                              all_reduce_dtype=all_reduce_dtype)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return NonFiniteLossScaleOptimizer(
             optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name,
-            max_consecutive_nonfinite=limit,
+            max_consecutive_nonfinite=limit, all_reduce_dtype=all_reduce_dtype,
         )
     return NonFiniteLossScaleOptimizer(
-        optimizer, name="loss_scale_optimizer", max_consecutive_nonfinite=limit
+        optimizer, name="loss_scale_optimizer", max_consecutive_nonfinite=limit,
+        all_reduce_dtype=all_reduce_dtype,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfdp import reduction
 from tfdp import strategy as strategy_lib
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lars", "lamb")
@@ -52,6 +53,8 @@ class RunConfig:
     How: loop (`fit`: Keras `model.fit` through `tfdp.compile`; `custom`:
         `tfdp.Trainer`), steps_per_loop (optimizer steps per `tf.function`
         call: `steps_per_execution` for fit), mixed_precision, jit_compile,
+        all_reduce_dtype (None or "bfloat16": the dtype gradients are summed
+        over replicas in; `tfdp.reduction`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only).
     """
@@ -88,6 +91,7 @@ class RunConfig:
     steps_per_loop: int = 10
     mixed_precision: str = "none"
     jit_compile: bool = False
+    all_reduce_dtype: str | None = None
     model_dir: str | None = None
     checkpoint_every: int | None = None
 
@@ -110,6 +114,8 @@ class RunConfig:
         _choice("decay", self.decay, DECAYS)
         _choice("loop", self.loop, LOOPS)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if self.all_reduce_dtype is not None:
+            _choice("all_reduce_dtype", self.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES)
         for name in ("model", "dataset"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"--{name} must name a registered {name}. "

@@ -26,6 +26,7 @@ from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
 from tfdp import cluster as cluster_lib  # noqa: E402
+from tfdp import reduction  # noqa: E402
 from tfdp import run_config  # noqa: E402
 from tfdp import startup  # noqa: E402
 from tfdp import strategy as strategy_lib  # noqa: E402
@@ -84,6 +85,9 @@ flags.DEFINE_integer("steps_per_loop", _D.steps_per_loop, "Optimizer steps per t
 flags.DEFINE_enum("mixed_precision", _D.mixed_precision, run_config.MIXED_PRECISIONS,
                   "Keras dtype policy.")
 flags.DEFINE_bool("jit_compile", _D.jit_compile, "Compile the train step with XLA.")
+flags.DEFINE_enum("all_reduce_dtype", _D.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES,
+                  "Sum gradients over replicas in this dtype (half the bytes for bfloat16, "
+                  "about 3 significant digits per sum); unset: in their own dtype.")
 flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard summaries and summary.json.")
 flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N optimizer steps (and at "
                      "the end).")

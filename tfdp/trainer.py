@@ -160,6 +160,10 @@ class Trainer:
             `tfdp.nonfinite.NonFiniteLossScaleOptimizer`). Defaults to 10.
         save_on_sigterm: save and exit 42 on SIGTERM (needs `model_dir`).
             Defaults to `True`.
+        all_reduce_dtype: `None` (default) sums gradients over replicas in
+            their own dtype; `"bfloat16"` all-reduces half the bytes, each
+            sum rounded to about 3 significant digits (`tfdp.reduction`).
+            Not with `nonfinite=None`.
 
     Raises:
         ValueError: an argument is invalid, the batch does not match the
@@ -183,6 +187,7 @@ class Trainer:
         nonfinite: str | None = "skip",
         max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
         save_on_sigterm: bool = True,
+        all_reduce_dtype: str | None = None,
     ):
         if not isinstance(batch, BatchConfig):
             raise TypeError(
@@ -202,7 +207,7 @@ class Trainer:
         _check_positive("steps_per_loop", steps_per_loop)
         _check_positive("checkpoint_every", checkpoint_every, allow_none=True)
         _check_positive("max_to_keep", max_to_keep)
-        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite)
+        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
         if jit_compile:
             strategy_lib.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
@@ -250,6 +255,7 @@ class Trainer:
                 optimizer, nonfinite=nonfinite,
                 max_consecutive_nonfinite=max_consecutive_nonfinite,
                 loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
+                all_reduce_dtype=all_reduce_dtype,
             )
             optimizer.build(model.trainable_variables)
             self._train_loss = keras.metrics.Mean(name="loss")

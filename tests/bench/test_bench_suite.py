@@ -44,7 +44,8 @@ def test_quick_suite_writes_every_case(tmp_path):
     assert [t["name"] for t in results["targets"]] == [t.name for t in targets.TARGETS]
     assert results["machine"]["cores"] >= 1 and results["machine"]["tensorflow"]
     # The 2-worker step is split into parts measured in the same processes.
-    assert set(results["breakdown"]) == {"keras_fit_n", "tfdp_fit", "trainer", "loop_n"}
+    assert set(results["breakdown"]) == {"keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "trainer",
+                                         "loop_n"}
     for part in results["breakdown"].values():
         assert sum(part[name] for name, _ in report.BREAKDOWN_PARTS) == pytest.approx(
             part["step_ms"])

@@ -26,6 +26,7 @@ PATH_LABELS = {
     "keras_fit": "Keras fit (steps_per_execution=1)",
     "keras_fit_n": "Keras fit (model.compile, steps_per_execution=N)",
     "tfdp_fit": "tfdp fit (tfdp.compile, steps_per_execution=N)",
+    "tfdp_fit_bf16": "tfdp fit, gradients all-reduced in bfloat16",
     "trainer": "tfdp Trainer (steps_per_loop=N)",
     "loop_1": "hand-written loop, 1 step per call",
     "loop_n": "hand-written loop, N steps per call",

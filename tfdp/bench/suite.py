@@ -104,8 +104,8 @@ class SuiteConfig:
         """The smoke-test sizes: every case, a few steps each (< 3 min on 2 cores)."""
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
-            paths=("keras_fit_n", "tfdp_fit", "trainer", "loop_n", "loop_n_local", "loop_n_sync",
-                   "input"),
+            paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "trainer", "loop_n",
+                   "loop_n_local", "loop_n_sync", "input"),
             accum_steps_timed=3, accum_steps=(1, 8), accum_rounds=2, all_reduce_iterations=5,
             all_reduce_sizes=(4, 40_000, 4_000_000),
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),

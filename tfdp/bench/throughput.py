@@ -21,6 +21,8 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
   `model.fit` (Keras' own train function), with an accuracy metric;
 - `tfdp_fit`: `tfdp.compile(..., steps_per_execution=N)` + `model.fit`, with
   an accuracy metric;
+- `tfdp_fit_bf16`: `tfdp_fit` with `all_reduce_dtype="bfloat16"` (gradients
+  summed in bfloat16: half the bytes; `tfdp.reduction`);
 - `trainer`: `tfdp.Trainer(..., steps_per_loop=N)`, with an accuracy metric;
 - `loop_1`: a hand-written loop, one `strategy.run` step per `tf.function`
   call, no metrics;
@@ -44,7 +46,7 @@ import statistics
 import time
 from typing import Callable
 
-PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "trainer", "loop_1", "loop_n",
+PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
 #: How the hand-written loops exchange gradients (see the module docstring).
@@ -95,16 +97,20 @@ def _optimizer(spec):
 
 
 def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution: int,
-                mark: Callable[[], None]) -> Callable[[int], None]:
+                mark: Callable[[], None], all_reduce_dtype: str | None = None
+                ) -> Callable[[int], None]:
     import keras
     import tfdp
     from tfdp.bench import workloads
 
     with strategy.scope():
         model = workloads.build_cnn()
-        compile_fn = tfdp.compile if use_tfdp else type(model).compile
-        compile_fn(model, optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
-                   steps_per_execution=steps_per_execution)
+        arguments = dict(optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
+                         steps_per_execution=steps_per_execution)
+        if use_tfdp:
+            tfdp.compile(model, all_reduce_dtype=all_reduce_dtype, **arguments)
+        else:
+            model.compile(**arguments)
 
     # Marks the start of every execution (one train-function call).
     clock = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: mark())
@@ -243,10 +249,11 @@ def _input_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
 
 
 def _runner(path, strategy, dataset, spec, mark):
-    if path in ("keras_fit", "keras_fit_n", "tfdp_fit"):
+    if path in ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16"):
         return _fit_runner(
-            strategy, dataset, spec, use_tfdp=path == "tfdp_fit", mark=mark,
+            strategy, dataset, spec, use_tfdp=path.startswith("tfdp"), mark=mark,
             steps_per_execution=1 if path == "keras_fit" else spec["steps_per_execution"],
+            all_reduce_dtype="bfloat16" if path == "tfdp_fit_bf16" else None,
         )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec, mark=mark)
