@@ -28,6 +28,7 @@ import tensorflow as tf
 from multiworker import python_command, run_launch
 
 import tfdp
+from tfdp import strategy as strategy_lib
 from tfdp._upstream import keras_multi_worker
 
 JOB_SCRIPT = Path(__file__).with_name("keras_multi_worker_job.py")
@@ -335,7 +336,9 @@ def test_strategy_info_describes_each_worker(fixed_run):
         )
         assert info["num_replicas_in_sync"] == NUM_WORKERS
         assert info["devices"] == [f"/job:worker/replica:0/task:{rank}/device:CPU:0"]
-        assert info["all_reduce"] == "collective/ring"
+        # CPU workers all-reduce in 4 MiB packs by default (tfdp.strategy).
+        assert info["all_reduce"] == (
+            f"collective/ring/bytes_per_pack={strategy_lib.CPU_BYTES_PER_PACK}")
 
 
 @pytest.mark.slow
