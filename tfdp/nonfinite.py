@@ -246,8 +246,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         all_reduce_dtype: str | None = None,
         **kwargs,
     ):
-        check_arguments("skip", max_consecutive_nonfinite)
-        reduction.check_all_reduce_dtype(all_reduce_dtype)
+        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
@@ -345,8 +344,7 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         all_reduce_dtype: str | None = None,
         **kwargs,
     ):
-        check_arguments("skip", max_consecutive_nonfinite)
-        reduction.check_all_reduce_dtype(all_reduce_dtype)
+        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
