@@ -28,9 +28,10 @@ COMMUNICATIONS = ("auto", "nccl", "ring")
 #: `bytes_per_pack` when it is not given and the workers have no GPU: 4 MiB.
 #: TensorFlow's default (0) concatenates every gradient into one tensor and
 #: all-reduces it in one ring pass over gRPC. On 2 CPU workers over loopback,
-#: a 10M-parameter MLP's 40 MB of gradients took 67-266 ms that way (15
-#: calls) and 72-134 ms, mostly about 85, in 4 MiB packs, which skip the big
-#: concatenation and pipeline the transfers (`python -m tfdp.bench`, case 5).
+#: a 10M-parameter MLP's 40 MB of gradients took 67-266 ms that way and
+#: 72-134 ms, mostly about 85, in 4 MiB packs (15 calls each), which skip the
+#: big concatenation and pipeline the transfers; the suite's all-reduce case
+#: (`python -m tfdp.bench`, case 5) measured 122 and 137 ms against 80 and 74.
 #: Gradient lists under 4 MiB stay one pack either way. GPU workers keep
 #: TensorFlow's default: NCCL's trade-offs were not measured here.
 CPU_BYTES_PER_PACK = 4 << 20
