@@ -21,7 +21,7 @@ import pytest
 
 from launch import _proc, local
 from launch_snippets import PRELUDE
-from multiworker import assert_processes_gone, wait_for_files, write_worker_script
+from multiworker import assert_processes_gone, free_port_pair, wait_for_files, write_worker_script
 from tfdp.cluster import parse_tf_config
 
 
@@ -73,24 +73,8 @@ def test_plan_gives_each_worker_its_rank_and_tf_config():
     assert [c.is_chief for c in configs] == [True, False, False]
 
 
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.skip("no two consecutive free ports found")
-
-
 def test_plan_uses_consecutive_ports_from_port():
-    port = _free_port_pair()
+    port = free_port_pair()
     plan = local.plan_local(["python"], nproc_per_node=2, port=port)
     assert plan.ports == (port, port + 1)
     assert json.loads(plan.workers[1].env["TF_CONFIG"])["cluster"]["worker"] == [

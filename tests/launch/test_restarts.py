@@ -20,8 +20,8 @@ import pytest
 
 from launch import local, restarts
 from launch_snippets import PRELUDE
-from multiworker import assert_processes_gone, run_worker_script, wait_for_files, \
-    write_worker_script
+from multiworker import assert_processes_gone, free_port_pair, run_worker_script, \
+    wait_for_files, write_worker_script
 from tfdp.cluster import parse_tf_config
 
 FAILS_TWICE_WORKER = """
@@ -136,24 +136,10 @@ def test_without_restarts_the_failure_still_shows_the_log_tail(tmp_path, pid_dir
     assert err.splitlines()[-1] == "[launch] exiting with code 5 (worker 1 failed)"
 
 
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.skip("no two consecutive free ports found")
-
-
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed_port", "free_ports"])
 def test_restart_reuses_fixed_ports_and_picks_fresh_free_ones(tmp_path, pid_dir, fixed,
                                                               monkeypatch):
-    port = _free_port_pair() if fixed else None
+    port = free_port_pair() if fixed else None
     if not fixed:
         # Make "fresh" observable: the restart must ask for new free ports.
         picks = iter([[41001, 41002], [41011, 41012], [41021, 41022]])
