@@ -119,8 +119,9 @@ class Trainer:
     (it is checkpointed). What the forward pass updates (metrics,
     BatchNormalization moving statistics) is not undone. After
     `max_consecutive_nonfinite` skipped steps in a row, `train` raises
-    `tfdp.nonfinite.NonFiniteError` naming the steps and the usual fixes. `"raise"` stops at the first one (never applying it);
-    `None` applies whatever the gradients are (Keras' behaviour). In every
+    `tfdp.nonfinite.NonFiniteError` naming the steps and the usual fixes.
+    `"raise"` stops at the first one (never applying it); `None` applies
+    whatever the gradients are (Keras' behaviour). In every
     mode a checkpoint whose weights are not finite is never written (`train`
     raises `NonFiniteError` instead). The decision costs no collective (see
     `tfdp.nonfinite`).
