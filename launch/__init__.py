@@ -1,4 +1,4 @@
-"""tfdp's process launcher: `python -m launch --nproc_per_node N -- COMMAND ...`.
+"""tfdp's process launcher: `tfdp-launch --nproc_per_node N -- COMMAND ...`.
 
 Starts N worker processes of COMMAND on this host, each with its own
 `TF_CONFIG` and the `TFDP_RANK`, `TFDP_LOCAL_RANK`, `TFDP_WORLD_SIZE`,
@@ -19,11 +19,11 @@ as one fails.
   unauthenticated.
 - Restarts: `--max_restarts K` stops and restarts the whole group after a
   worker fails, up to K times (`launch.restarts`); a signal never restarts.
-- Schedulers: `python -m launch slurm ...` writes or submits an sbatch script
-  (`launch.slurm`; the workers then find the cluster through `tfdp.slurm`),
-  `python -m launch k8s ...` writes a Kubeflow TFJob manifest (`launch.k8s`).
+- Schedulers: `tfdp-launch slurm ...` writes or submits an sbatch script
+  (`launch.sbatch`; the workers then find the cluster through `tfdp.distribute.slurm_env`),
+  `tfdp-launch k8s ...` writes a Kubeflow TFJob manifest (`launch.k8s`).
 
-Exit status of `python -m launch` (without a subcommand):
+Exit status of `tfdp-launch` (without a subcommand):
 
 - 0: every worker exited 0.
 - the failing worker's exit status (the last attempt's, with restarts), or
@@ -37,6 +37,6 @@ Modules: `launch.local` (what each worker runs, with which environment),
 (the attempt loop), `launch.worker_group` (start, supervise, stop a set of
 processes), `launch.output` (rank-prefixed output, log tails),
 `launch.signals` (signal catching), `launch.bind` (the bind shim), `launch._proc` (process groups, /proc,
-reaping), `launch.slurm` and `launch.k8s` (scheduler files). This package may
-import `tfdp.cluster`; `tfdp` never imports `launch`.
+reaping), `launch.sbatch` and `launch.k8s` (scheduler files). This package may
+import `tfdp.distribute.cluster`; `tfdp` never imports `launch`.
 """

@@ -1,12 +1,12 @@
-"""Command line of the launcher; the work is in `launch.local`, `launch.slurm`, `launch.k8s`.
+"""Command line of the launcher; the work is in `launch.local`, `launch.sbatch`, `launch.k8s`.
 
 Usage:
 
-    python -m launch --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]
+    tfdp-launch --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]
                      [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]
                      -- COMMAND [ARGS...]
-    python -m launch slurm --nodes M --ntasks_per_node N [...] [--submit] -- COMMAND [ARGS...]
-    python -m launch k8s --image IMAGE --workers N [...] [--output FILE] -- COMMAND [ARGS...]
+    tfdp-launch slurm --nodes M --ntasks_per_node N [...] [--submit] -- COMMAND [ARGS...]
+    tfdp-launch k8s --image IMAGE --workers N [...] [--output FILE] -- COMMAND [ARGS...]
 
 Reads the flags, validates them (exit status 2 with a message, before anything
 starts), then calls one library function. See the `launch` package docstring
@@ -19,8 +19,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from launch import _proc
-from launch import local
+from tfdp.launch import _proc
+from tfdp.launch import local
 
 _LAUNCH_EPILOG = """\
 Workers. Each worker gets TF_CONFIG (a "worker" task; worker 0 is the chief),
@@ -53,12 +53,12 @@ Exit status: 0 if every worker exited 0; else the failing worker's status
 (128+N if signal N killed it); 128+N if the launcher got signal N (SIGINT: 130,
 SIGTERM: 143); 2 for invalid arguments; 126/127 if a worker could not start.
 
-Cluster schedulers: `python -m launch slurm --help` (an sbatch script),
-`python -m launch k8s --help` (a Kubeflow TFJob manifest).
+Cluster schedulers: `tfdp-launch slurm --help` (an sbatch script),
+`tfdp-launch k8s --help` (a Kubeflow TFJob manifest).
 
 Examples:
-  python -m launch --nproc_per_node 2 -- python train.py --epochs 1
-  python -m launch --nproc_per_node 2 --nnodes 2 --node_rank 0 \\
+  tfdp-launch --nproc_per_node 2 -- python train.py --epochs 1
+  tfdp-launch --nproc_per_node 2 --nnodes 2 --node_rank 0 \\
       --hosts 10.0.0.1:2222,10.0.0.2:2222 --bind_all -- python train.py
 """
 
@@ -70,7 +70,7 @@ srun's SLURM_* variables (no TF_CONFIG). Ports: TFDP_SLURM_PORT_BASE, else
 srun --resv-ports, else derived from the job id.
 
 Example:
-  python -m launch slurm --nodes 2 --ntasks_per_node 1 --gpus_per_node 4 \\
+  tfdp-launch slurm --nodes 2 --ntasks_per_node 1 --gpus_per_node 4 \\
       --time 02:00:00 -- python train.py > job.sbatch && sbatch job.sbatch
 """
 
@@ -81,7 +81,7 @@ Operator): N worker replicas running COMMAND in a container named
 TF_CONFIG; worker 0 is the chief.
 
 Example:
-  python -m launch k8s --image registry.example.com/tfdp:0.1 --workers 4 \\
+  tfdp-launch k8s --image registry.example.com/tfdp:0.1 --workers 4 \\
       --gpus_per_worker 1 --output tfjob.yaml -- tfdp-train --model mlp
   kubectl apply -f tfjob.yaml
 """
@@ -108,7 +108,7 @@ def _split_command(parser: argparse.ArgumentParser, argv: Sequence[str],
 
 def _launch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m launch",
+        prog="tfdp-launch",
         usage=("%(prog)s --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]\n"
                "       [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]\n"
                "       -- COMMAND [ARGS ...]\n"
@@ -146,7 +146,7 @@ def _launch_parser() -> argparse.ArgumentParser:
 def _main_launch(argv: Sequence[str]) -> int:
     parser = _launch_parser()
     args, command = _split_command(parser, argv,
-                                   "python -m launch --nproc_per_node 2 -- python train.py")
+                                   "tfdp-launch --nproc_per_node 2 -- python train.py")
     multi_node = args.hosts is not None or args.nnodes != 1
     try:
         if multi_node:
@@ -187,10 +187,10 @@ def _main_launch(argv: Sequence[str]) -> int:
 
 
 def _main_slurm(argv: Sequence[str]) -> int:
-    from launch import slurm
+    from tfdp.launch import sbatch
 
     parser = argparse.ArgumentParser(
-        prog="python -m launch slurm",
+        prog="tfdp-launch slurm",
         usage=("%(prog)s --nodes M --ntasks_per_node N [--partition P] [--time T]\n"
                "       [--gpus_per_node G] [--job_name J] [--submit] -- COMMAND [ARGS ...]"),
         description="Write (or submit) a Slurm batch script running COMMAND as a tfdp job.",
@@ -211,19 +211,19 @@ def _main_slurm(argv: Sequence[str]) -> int:
     parser.add_argument("--submit", action="store_true",
                         help="submit the script with sbatch instead of printing it")
     args, command = _split_command(
-        parser, argv, "python -m launch slurm --nodes 2 --ntasks_per_node 1 -- python train.py")
+        parser, argv, "tfdp-launch slurm --nodes 2 --ntasks_per_node 1 -- python train.py")
     try:
-        job = slurm.plan_job(command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
+        job = sbatch.plan_job(command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                              partition=args.partition, time=args.time,
                              gpus_per_node=args.gpus_per_node, job_name=args.job_name)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
-    script = slurm.batch_script(job)
+    script = sbatch.batch_script(job)
     if not args.submit:
         sys.stdout.write(script)
         return 0
     try:
-        result = slurm.submit(script)
+        result = sbatch.submit(script)
     except ValueError as e:
         parser.error(str(e))
     sys.stdout.write(result.stdout)
@@ -235,10 +235,10 @@ def _main_slurm(argv: Sequence[str]) -> int:
 
 
 def _main_k8s(argv: Sequence[str]) -> int:
-    from launch import k8s
+    from tfdp.launch import k8s
 
     parser = argparse.ArgumentParser(
-        prog="python -m launch k8s",
+        prog="tfdp-launch k8s",
         usage=("%(prog)s --image IMAGE --workers N [--name NAME] [--namespace NS]\n"
                "       [--gpus_per_worker G] [--cpu C] [--memory M] [--output FILE]\n"
                "       -- COMMAND [ARGS ...]"),
@@ -262,7 +262,7 @@ def _main_k8s(argv: Sequence[str]) -> int:
     parser.add_argument("--output", default=None, metavar="FILE",
                         help="write the manifest to FILE (default: stdout)")
     args, command = _split_command(
-        parser, argv, "python -m launch k8s --image IMAGE --workers 2 -- tfdp-train")
+        parser, argv, "tfdp-launch k8s --image IMAGE --workers 2 -- tfdp-train")
     try:
         spec = k8s.plan_tfjob(command, image=args.image, workers=args.workers, name=args.name,
                               namespace=args.namespace, gpus_per_worker=args.gpus_per_worker,
@@ -284,7 +284,7 @@ def _main_k8s(argv: Sequence[str]) -> int:
     return 0
 
 
-#: Subcommands; without one, `python -m launch` launches workers itself.
+#: Subcommands; without one, `tfdp-launch` launches workers itself.
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "slurm": _main_slurm,
     "k8s": _main_k8s,
@@ -306,5 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _main_launch(argv)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Console-script entry point `tfdp-launch`: `main()`, its status as the exit status."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,4 +1,4 @@
-"""Kubernetes manifests for tfdp jobs: `python -m launch k8s ...`.
+"""Kubernetes manifests for tfdp jobs: `tfdp-launch k8s ...`.
 
 This module owns one translation: a job description (image, worker count,
 resources) and the command every worker runs, into a Kubeflow `TFJob`
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from launch import _checks
+from tfdp.launch import _checks
 
 #: The port the training operator gives every TensorFlow replica.
 TFJOB_PORT = 2222
@@ -108,7 +108,7 @@ def plan_tfjob(
         ValueError: naming the argument, when a value breaks its rule.
     """
     command = _checks.check_command(
-        command, example="python -m launch k8s --image IMAGE --workers 2 -- tfdp-train")
+        command, example="tfdp-launch k8s --image IMAGE --workers 2 -- tfdp-train")
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         raise ValueError(
             "`image` must be a container image reference without spaces, e.g. "
@@ -181,7 +181,7 @@ def manifest(spec: TFJobSpec) -> dict[str, Any]:
 
 def to_yaml(spec: TFJobSpec) -> str:
     """Returns the TFJob manifest for `spec` as YAML, with a comment header."""
-    header = (f"# Written by `python -m launch k8s`: {spec.workers} tfdp worker(s); the "
+    header = (f"# Written by `tfdp-launch k8s`: {spec.workers} tfdp worker(s); the "
               "training operator sets each pod's TF_CONFIG.\n"
               "# Apply with: kubectl apply -f FILE\n")
     return header + yaml.safe_dump(manifest(spec), sort_keys=False, default_flow_style=False)

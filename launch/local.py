@@ -48,13 +48,13 @@ import shutil
 import time
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
-from tfdp import cluster as cluster_lib
+from tfdp.distribute import cluster as cluster_lib
 
-from launch import _checks
-from launch import bind as bind_lib
-from launch import nodes as nodes_lib
-from launch import restarts
-from launch.worker_group import WorkerSpec
+from tfdp.launch import _checks
+from tfdp.launch import bind as bind_lib
+from tfdp.launch import nodes as nodes_lib
+from tfdp.launch import restarts
+from tfdp.launch.worker_group import WorkerSpec
 
 #: Default seconds between the polite signal (SIGTERM/SIGINT) and SIGKILL.
 DEFAULT_GRACE_PERIOD = 5.0
@@ -131,7 +131,7 @@ _echo = _checks.echo
 
 def _check_command(command: Sequence[str], path: str | None) -> tuple[str, ...]:
     command = _checks.check_command(
-        command, example="python -m launch --nproc_per_node 2 -- python train.py")
+        command, example="tfdp-launch --nproc_per_node 2 -- python train.py")
     program = command[0]
     if shutil.which(program, path=path) is None:
         where = "is not an executable file" if os.sep in program else "was not found on PATH"
@@ -180,7 +180,7 @@ def _check_max_restarts(max_restarts: Any) -> None:
 
 
 # Binds where TensorFlow will (all interfaces), as gRPC does; shared with
-# `tfdp.startup`, which checks again inside each worker.
+# `tfdp.distribute.startup`, which checks again inside each worker.
 port_in_use = cluster_lib.port_in_use
 
 
@@ -220,7 +220,7 @@ def _worker_specs(
     specs = []
     for local_rank in range(nproc_per_node):
         rank = node_rank * nproc_per_node + local_rank
-        # tfdp.cluster validates the cluster (addresses, index) once more.
+        # tfdp.distribute.cluster validates the cluster (addresses, index) once more.
         tf_config = cluster_lib.ClusterConfig(
             cluster={"worker": list(addresses)}, task_type="worker", task_index=rank)
         env = dict(environ)

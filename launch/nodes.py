@@ -47,7 +47,7 @@ import ipaddress
 import socket
 from typing import Any, Sequence
 
-from tfdp import cluster as cluster_lib
+from tfdp.distribute import cluster as cluster_lib
 
 #: The address TensorFlow's gRPC server actually listens on (all interfaces).
 TENSORFLOW_LISTEN_ADDRESS = "0.0.0.0"
@@ -239,7 +239,7 @@ def plan_layout(
                 )
             owners[key] = rank
     layout = NodeLayout(hosts=entries, node_rank=node_rank, nproc_per_node=nproc_per_node)
-    # The final word on the cluster's shape is tfdp.cluster's validation.
+    # The final word on the cluster's shape is tfdp.distribute.cluster's validation.
     cluster_lib.ClusterConfig(cluster={"worker": list(layout.addresses)}, task_type="worker",
                               task_index=layout.global_rank(0))
     return layout

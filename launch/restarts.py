@@ -34,9 +34,9 @@ import signal
 import sys
 from typing import BinaryIO, Callable, Mapping, Sequence, TypeVar
 
-from launch.output import LineSink
-from launch.signals import SignalCatcher
-from launch.worker_group import (
+from tfdp.launch.output import LineSink
+from tfdp.launch.signals import SignalCatcher
+from tfdp.launch.worker_group import (
     DEFAULT_TAIL_LINES,
     GroupResult,
     WorkerGroup,

@@ -32,9 +32,9 @@ import sys
 import time
 from typing import BinaryIO, Callable, Mapping, Sequence
 
-from launch import _proc
-from launch.output import LineSink, PrefixPump
-from launch.signals import SignalCatcher
+from tfdp.launch import _proc
+from tfdp.launch.output import LineSink, PrefixPump
+from tfdp.launch.signals import SignalCatcher
 
 #: How often the supervisor polls worker state, in seconds.
 POLL_INTERVAL = 0.05

@@ -11,23 +11,23 @@ Every model maps one batch of examples to float32 logits of shape
 - `transformer`: encoder classifier over int token ids `(batch, seq_len)`.
 
 Register your own with `@models.register("name")`. `tfdp` never imports
-`models`: `tfdp-train` passes `models.get` to `tfdp.experiment`.
+`models`: `tfdp-train` passes `models.get` to `tfdp.app.experiment`.
 """
 
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from models.registry import get  # noqa: E402
-from models.registry import names  # noqa: E402
-from models.registry import register  # noqa: E402
+from tfdp.models.registry import get  # noqa: E402
+from tfdp.models.registry import names  # noqa: E402
+from tfdp.models.registry import register  # noqa: E402
 
 # Importing the family modules registers their builders.
-from models import cnn as _cnn  # noqa: E402, F401
-from models import mlp as _mlp  # noqa: E402, F401
-from models import resnet50 as _resnet50  # noqa: E402, F401
-from models import resnet_cifar as _resnet_cifar  # noqa: E402, F401
-from models import transformer as _transformer  # noqa: E402, F401
+from tfdp.models import cnn as _cnn  # noqa: E402, F401
+from tfdp.models import mlp as _mlp  # noqa: E402, F401
+from tfdp.models import resnet50 as _resnet50  # noqa: E402, F401
+from tfdp.models import resnet_cifar as _resnet_cifar  # noqa: E402, F401
+from tfdp.models import transformer as _transformer  # noqa: E402, F401
 
 __all__ = [
     "get",

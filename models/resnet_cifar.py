@@ -21,8 +21,8 @@ from typing import Sequence
 
 import keras
 
-from models import common
-from models import registry
+from tfdp.models import common
+from tfdp.models import registry
 
 #: Filters of the three stages.
 STAGE_FILTERS = (16, 32, 64)

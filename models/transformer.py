@@ -17,8 +17,8 @@ from typing import Sequence
 
 import keras
 
-from models import common
-from models import registry
+from tfdp.models import common
+from tfdp.models import registry
 
 NAME = "transformer"
 

@@ -10,28 +10,28 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from pipelines.compat import check_model_compatible  # noqa: E402
-from pipelines.core import make_dataset  # noqa: E402
-from pipelines.pipeline import PipelineInfo  # noqa: E402
-from pipelines.digits import default_data_dir  # noqa: E402
-from pipelines.digits import prepare as prepare_digits  # noqa: E402
-from pipelines.preprocess import compose  # noqa: E402
-from pipelines.preprocess import decode_image  # noqa: E402
-from pipelines.preprocess import for_images  # noqa: E402
-from pipelines.preprocess import normalize_images  # noqa: E402
-from pipelines.preprocess import pad_tokens  # noqa: E402
-from pipelines.preprocess import random_crop_flip  # noqa: E402
-from pipelines.source import INFINITE  # noqa: E402
-from pipelines.source import Source  # noqa: E402
-from pipelines.source import SourceInfo  # noqa: E402
-from pipelines.sources import check_source_name  # noqa: E402
-from pipelines.sources import describe_source  # noqa: E402
-from pipelines.sources import get_source  # noqa: E402
-from pipelines.sources import known_sources  # noqa: E402
-from pipelines.sources import register_source  # noqa: E402
-from pipelines.synthetic import SyntheticImages  # noqa: E402
-from pipelines.synthetic import SyntheticTokens  # noqa: E402
-from pipelines.tfds_source import prepare_tfds  # noqa: E402
+from tfdp.pipelines.shape_check import check_model_compatible  # noqa: E402
+from tfdp.pipelines.distributed_dataset import make_dataset  # noqa: E402
+from tfdp.pipelines.input_pipeline import PipelineInfo  # noqa: E402
+from tfdp.pipelines.digits import default_data_dir  # noqa: E402
+from tfdp.pipelines.digits import prepare as prepare_digits  # noqa: E402
+from tfdp.pipelines.preprocess import compose  # noqa: E402
+from tfdp.pipelines.preprocess import decode_image  # noqa: E402
+from tfdp.pipelines.preprocess import for_images  # noqa: E402
+from tfdp.pipelines.preprocess import normalize_images  # noqa: E402
+from tfdp.pipelines.preprocess import pad_tokens  # noqa: E402
+from tfdp.pipelines.preprocess import random_crop_flip  # noqa: E402
+from tfdp.pipelines.source import INFINITE  # noqa: E402
+from tfdp.pipelines.source import Source  # noqa: E402
+from tfdp.pipelines.source import SourceInfo  # noqa: E402
+from tfdp.pipelines.source_registry import check_source_name  # noqa: E402
+from tfdp.pipelines.source_registry import describe_source  # noqa: E402
+from tfdp.pipelines.source_registry import get_source  # noqa: E402
+from tfdp.pipelines.source_registry import known_sources  # noqa: E402
+from tfdp.pipelines.source_registry import register_source  # noqa: E402
+from tfdp.pipelines.synthetic import SyntheticImages  # noqa: E402
+from tfdp.pipelines.synthetic import SyntheticTokens  # noqa: E402
+from tfdp.pipelines.tfds_source import prepare_tfds  # noqa: E402
 
 __all__ = [
     "check_model_compatible",

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from pipelines import source as source_lib
+from tfdp.pipelines import source as source_lib
 
 ENCODINGS = (None, "jpeg", "png")
 

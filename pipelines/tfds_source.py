@@ -21,7 +21,7 @@ import os
 
 import tensorflow_datasets as tfds
 
-from pipelines import source as source_lib
+from tfdp.pipelines import source as source_lib
 
 
 def _prepare_command(name: str, data_dir: str | None) -> str:

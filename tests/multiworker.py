@@ -2,7 +2,7 @@
 
 Tests that need several worker processes (a 2-worker
 `MultiWorkerMirroredStrategy` fit, launcher behaviour) use this module instead
-of starting processes themselves. It runs `python -m launch --nproc_per_node N
+of starting processes themselves. It runs `tfdp-launch --nproc_per_node N
 -- COMMAND` exactly as a user would, with a timeout, captures its output, and
 guarantees that nothing it started outlives the call:
 
@@ -140,8 +140,8 @@ def _describe(args, returncode, elapsed, stdout, stderr) -> str:
 def launch_command(
     command: Sequence[str], *, nproc: int = 2, launch_args: Sequence[str] = ()
 ) -> list[str]:
-    """The argv of `python -m launch --nproc_per_node nproc [launch_args] -- command`."""
-    return [sys.executable, "-m", "launch", "--nproc_per_node", str(nproc),
+    """The argv of `tfdp-launch --nproc_per_node nproc [launch_args] -- command`."""
+    return [sys.executable, "-m", "tfdp.launch", "--nproc_per_node", str(nproc),
             *launch_args, "--", *command]
 
 
@@ -266,7 +266,7 @@ def _kill_marked(token: str) -> list[int]:
 
 
 class LaunchProcess:
-    """A running `python -m launch`, for tests that interact with it.
+    """A running `tfdp-launch`, for tests that interact with it.
 
     Use `start_launch(...)` as a context manager; leaving the block kills and
     reaps everything the launch started, whatever happened inside.
@@ -382,7 +382,7 @@ def start_launch(
     cwd: str | os.PathLike | None = None,
     launch_args: Sequence[str] = (),
 ) -> LaunchProcess:
-    """Starts `python -m launch --nproc_per_node nproc -- command`; returns at once.
+    """Starts `tfdp-launch --nproc_per_node nproc -- command`; returns at once.
 
     Args:
         command: what every worker runs.
@@ -409,7 +409,7 @@ def run_launch(
     launch_args: Sequence[str] = (),
     check: bool = False,
 ) -> LaunchResult:
-    """Runs `python -m launch --nproc_per_node nproc -- command` to completion.
+    """Runs `tfdp-launch --nproc_per_node nproc -- command` to completion.
 
     Args:
         command: what every worker runs, e.g. `python_command(script)`.

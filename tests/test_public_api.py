@@ -40,8 +40,8 @@ def test_unknown_names_raise_attribute_error():
 
 
 def test_cluster_config_loads_without_tensorflow():
-    # The launcher imports tfdp.cluster; it must start in well under a second.
-    code = "import sys, tfdp.cluster; print('tensorflow' in sys.modules)"
+    # The launcher imports tfdp.distribute.cluster; it must start in well under a second.
+    code = "import sys, tfdp.distribute.cluster; print('tensorflow' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.stdout.strip() == "False", result.stderr

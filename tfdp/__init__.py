@@ -1,7 +1,7 @@
 """tfdp: data-parallel training of Keras 3 models on TensorFlow.
 
 Public names are imported lazily, on first use, so that light modules such as
-`tfdp.cluster` (which the launcher needs) load without importing TensorFlow.
+`tfdp.distribute.cluster` (which the launcher needs) load without importing TensorFlow.
 """
 
 import importlib as _importlib
@@ -14,15 +14,15 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "BatchConfig": "tfdp.batch",
-    "compile": "tfdp.accumulation",
-    "configure_cpu_devices": "tfdp.strategy",
-    "make_strategy": "tfdp.strategy",
-    "scale_lr": "tfdp.lr_schedules",
-    "strategy_info": "tfdp.strategy",
-    "StrategyInfo": "tfdp.strategy",
-    "Trainer": "tfdp.trainer",
-    "WarmupSchedule": "tfdp.lr_schedules",
+    "BatchConfig": "tfdp.training.batch",
+    "compile": "tfdp.training.accumulation",
+    "configure_cpu_devices": "tfdp.distribute.strategy",
+    "make_strategy": "tfdp.distribute.strategy",
+    "scale_lr": "tfdp.training.lr_schedules",
+    "strategy_info": "tfdp.distribute.strategy",
+    "StrategyInfo": "tfdp.distribute.strategy",
+    "Trainer": "tfdp.training.trainer",
+    "WarmupSchedule": "tfdp.training.lr_schedules",
 }
 _SUBPACKAGES = ("callbacks", "optimizers")
 

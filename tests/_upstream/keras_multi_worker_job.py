@@ -1,6 +1,6 @@
 """One worker of the 2-worker Keras job in `test_keras_multi_worker.py`.
 
-Runs under `python -m launch --nproc_per_node 2 -- python THIS_FILE MODE OUT_DIR`
+Runs under `tfdp-launch --nproc_per_node 2 -- python THIS_FILE MODE OUT_DIR`
 (TF_CONFIG and TFDP_RANK come from the launcher) and writes what the test
 checks to `OUT_DIR/rank{R}.json` and `OUT_DIR/rank{R}.npz`:
 

@@ -3,7 +3,7 @@
 When one of these fails after a TensorFlow upgrade, update that module (and
 only it). What the deadline does end to end (a peer that never starts fails
 every worker in time, naming its address) is tested with real workers in
-`tests/test_startup.py`.
+`tests/distribute/test_startup.py`.
 """
 
 import inspect

@@ -2,7 +2,7 @@
 
 Two kinds of test:
 
-- With the patches, two real worker processes (`python -m launch
+- With the patches, two real worker processes (`tfdp-launch
   --nproc_per_node 2`) fit, evaluate and predict under
   MultiWorkerMirroredStrategy, and the results are compared with one device
   training on the same global batches (`keras_multi_worker_job.py` holds the
@@ -28,7 +28,7 @@ import tensorflow as tf
 from multiworker import python_command, run_launch
 
 import tfdp
-from tfdp import strategy as strategy_lib
+from tfdp.distribute import strategy as strategy_lib
 from tfdp._upstream import keras_multi_worker
 
 JOB_SCRIPT = Path(__file__).with_name("keras_multi_worker_job.py")
@@ -336,7 +336,7 @@ def test_strategy_info_describes_each_worker(fixed_run):
         )
         assert info["num_replicas_in_sync"] == NUM_WORKERS
         assert info["devices"] == [f"/job:worker/replica:0/task:{rank}/device:CPU:0"]
-        # CPU workers all-reduce in 4 MiB packs by default (tfdp.strategy).
+        # CPU workers all-reduce in 4 MiB packs by default (tfdp.distribute.strategy).
         assert info["all_reduce"] == (
             f"collective/ring/bytes_per_pack={strategy_lib.CPU_BYTES_PER_PACK}")
 

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp import accumulation
+from tfdp.training import accumulation
 
 
 def _fit(use_tfdp_step):

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from launch import bind as bind_lib
-from launch import local
+from tfdp.launch import bind as bind_lib
+from tfdp.launch import local
 from multiworker import free_port_pair, run_worker_script
 
 BIND_PROBE = textwrap.dedent("""

@@ -1,10 +1,10 @@
-"""Tests for `launch.k8s` and `python -m launch k8s`: the TFJob manifest."""
+"""Tests for `launch.k8s` and `tfdp-launch k8s`: the TFJob manifest."""
 
 import pytest
 import yaml
 
-from launch import __main__ as launch_main
-from launch import k8s
+from tfdp.launch import __main__ as launch_main
+from tfdp.launch import k8s
 
 
 def _container(manifest):
@@ -77,7 +77,7 @@ def test_cli_rejects_bad_arguments(argv, fragment, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err
-    assert "usage: python -m launch k8s --image IMAGE --workers N" in err
+    assert "usage: tfdp-launch k8s --image IMAGE --workers N" in err
 
 
 def test_name_leaves_room_for_the_operators_pod_names():

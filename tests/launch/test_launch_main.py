@@ -1,7 +1,7 @@
-"""Tests for `python -m launch`: argument errors, and end-to-end runs.
+"""Tests for `tfdp-launch`: argument errors, and end-to-end runs.
 
 Argument errors are checked in-process through `launch.__main__.main(argv)`
-(exit status 2 and the message), plus once through a real `python -m launch`.
+(exit status 2 and the message), plus once through a real `tfdp-launch`.
 The end-to-end tests run the launcher as users do, through
 `tests/multiworker.py`, with plain-Python workers.
 """
@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from launch import __main__ as launch_main
-from launch import local
+from tfdp.launch import __main__ as launch_main
+from tfdp.launch import local
 from launch_snippets import PRELUDE
 from multiworker import (
     LaunchFailed,
@@ -24,7 +24,7 @@ from multiworker import (
     wait_for_files,
     write_worker_script,
 )
-from tfdp.cluster import free_ports, parse_tf_config
+from tfdp.distribute.cluster import free_ports, parse_tf_config
 
 
 @pytest.mark.parametrize(
@@ -70,7 +70,7 @@ def test_bad_arguments_exit_2_with_a_message(argv, fragment, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err
-    assert "usage: python -m launch --nproc_per_node N" in err
+    assert "usage: tfdp-launch --nproc_per_node N" in err
 
 
 def test_help_documents_env_and_exit_codes(capsys):
@@ -82,7 +82,7 @@ def test_help_documents_env_and_exit_codes(capsys):
                      "SIGTERM: 143", "2 for invalid arguments", "--grace_period",
                      "TFDP_NODE_RANK", "TFDP_RESTART_COUNT", "--max_restarts", "--hosts",
                      "--bind_all", "host_r:port_r+i", "r*N+i", "listens on all interfaces",
-                     "python -m launch slurm --help", "python -m launch k8s --help"):
+                     "tfdp-launch slurm --help", "tfdp-launch k8s --help"):
         assert fragment in text
 
 

@@ -19,10 +19,10 @@ import time
 
 import pytest
 
-from launch import _proc, local
+from tfdp.launch import _proc, local
 from launch_snippets import PRELUDE
 from multiworker import assert_processes_gone, free_port_pair, wait_for_files, write_worker_script
-from tfdp.cluster import parse_tf_config
+from tfdp.distribute.cluster import parse_tf_config
 
 
 def _run(tmp_path, pid_dir, source, *, nproc=2, grace_period=1.0, **kwargs):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from launch import nodes
-from launch.nodes import HostPort
-from tfdp.cluster import ClusterConfig
+from tfdp.launch import nodes
+from tfdp.launch.nodes import HostPort
+from tfdp.distribute.cluster import ClusterConfig
 
 
 @pytest.mark.parametrize(

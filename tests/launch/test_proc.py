@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launch import _proc
+from tfdp.launch import _proc
 from multiworker import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(_proc._PRCTL is None, reason="needs Linux prctl and /proc")
@@ -36,7 +36,7 @@ def test_process_state_tracks_running_zombie_and_reaped():
 # pid, then waits; the test SIGKILLs the middle one.
 MIDDLE = """
 import subprocess, sys, time
-from launch import _proc
+from tfdp.launch import _proc
 child = subprocess.Popen(["sleep", "60"], preexec_fn=_proc.parent_death_signal_hook())
 print(child.pid, flush=True)
 time.sleep(60)

@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from launch import local, restarts
+from tfdp.launch import local, restarts
 from launch_snippets import PRELUDE
 from multiworker import assert_processes_gone, free_port_pair, run_worker_script, \
     wait_for_files, write_worker_script
-from tfdp.cluster import parse_tf_config
+from tfdp.distribute.cluster import parse_tf_config
 
 FAILS_TWICE_WORKER = """
 import json

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from launch import output, worker_group
-from launch.worker_group import WorkerGroup, WorkerSpec
+from tfdp.launch import output, worker_group
+from tfdp.launch.worker_group import WorkerGroup, WorkerSpec
 from launch_snippets import PRELUDE
 from multiworker import assert_processes_gone, wait_for_files, write_worker_script
 

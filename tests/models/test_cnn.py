@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+from tfdp import models
 import tfdp
 
 

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-import models
+from tfdp import models
 
 BATCH, CLASSES = 2, 3
 

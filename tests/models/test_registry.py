@@ -3,8 +3,8 @@
 import keras
 import pytest
 
-import models
-from models import registry
+from tfdp import models
+from tfdp.models import registry
 
 DOCUMENTED_MODELS = ["cnn", "mlp", "resnet20", "resnet32", "resnet50", "resnet56", "transformer"]
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-import models
-from models import resnet_cifar
+from tfdp import models
+from tfdp.models import resnet_cifar
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import models
+from tfdp import models
 
 SMALL = dict(vocab_size=20, num_layers=1, num_heads=2, hidden=8, num_classes=3)
 TOKENS = np.array([[5, 6, 7, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32")

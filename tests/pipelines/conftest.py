@@ -2,7 +2,7 @@
 
 import pytest
 
-import pipelines
+from tfdp import pipelines
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import pytest
 import tensorflow_datasets as tfds
 from sklearn import datasets
 
-import pipelines
+from tfdp import pipelines
 from pipeline_testing import get_strategy
-from pipelines import digits
+from tfdp.pipelines import digits
 
 
 def test_written_as_tfds_shards_with_the_fixed_split(digits_dir):

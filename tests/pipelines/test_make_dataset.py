@@ -1,4 +1,4 @@
-"""Tests for `pipelines.core` and `pipelines.pipeline`: exactly once, equal steps."""
+"""Tests for `pipelines.distributed_dataset` and `pipelines.input_pipeline`: exactly once, equal steps."""
 
 import collections
 import logging
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import pipelines
+from tfdp import pipelines
 from pipeline_testing import collect, get_strategy, id_dataset, real_ids
-from pipelines import pipeline as pipeline_lib
+from tfdp.pipelines import input_pipeline as pipeline_lib
 
 # "multiworker_local2": one input pipeline feeding two replicas, as on a
 # MultiWorkerMirroredStrategy worker with two GPUs.
@@ -428,7 +428,7 @@ def test_fit_runs_every_step_of_every_epoch(strategy_name):
 
 
 def test_dropped_examples_are_a_warning_logged_once_per_dataset(caplog, monkeypatch):
-    from pipelines import pipeline as pipeline_lib
+    from tfdp.pipelines import input_pipeline as pipeline_lib
 
     monkeypatch.setattr(pipeline_lib, "_DROP_WARNINGS_GIVEN", set())
     strategy = get_strategy("mirrored2")  # Two input pipelines, one log.

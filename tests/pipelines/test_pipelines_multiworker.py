@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import pytest
 
-import pipelines
+from tfdp import pipelines
 from multiworker import run_worker_script
 
 WORKER = r'''
@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import pipelines
+from tfdp import pipelines
 import tfdp
 
 out_dir, digits_dir = sys.argv[1], sys.argv[2]

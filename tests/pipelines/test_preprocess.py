@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import pipelines
+from tfdp import pipelines
 
 
 def _seed(a, b=0):

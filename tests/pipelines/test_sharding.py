@@ -2,8 +2,8 @@
 
 import pytest
 
-from pipelines import sharding
-from pipelines import source as source_lib
+from tfdp.pipelines import sharding
+from tfdp.pipelines import source as source_lib
 
 
 def _plan(policy="auto", **overrides):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import pipelines
+from tfdp import pipelines
 from pipeline_testing import collect, get_strategy
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline_testing import get_strategy, id_dataset
-from pipelines import _upstream
+from tfdp.pipelines import _upstream
 
 
 def _batched(input_context):
@@ -31,7 +31,7 @@ def test_one_pipeline_for_two_replicas_reports_replicas_times_steps():
 
 def test_prefetch_to_device_hides_the_steps_per_epoch_from_keras():
     # Why make_dataset does not end with prefetch_to_device under the default
-    # strategy on a GPU (pipelines/pipeline.py); /cpu:1 stands in for the GPU.
+    # strategy on a GPU (pipelines/input_pipeline.py); /cpu:1 stands in for the GPU.
     x = np.zeros((40, 3), "float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, np.zeros(40))).batch(8)
     dataset = dataset.apply(tf.data.experimental.prefetch_to_device("/cpu:1"))
@@ -45,5 +45,5 @@ def test_prefetch_to_device_hides_the_steps_per_epoch_from_keras():
         model.fit(dataset, epochs=2, verbose=0)
     assert [w for w in caught if "ran out of data" in str(w.message)], (
         "fit now runs prefetch_to_device datasets cleanly: reconsider it in "
-        "pipelines/pipeline.py"
+        "pipelines/input_pipeline.py"
     )

@@ -3,7 +3,7 @@
 This module owns the one private TensorFlow setting tfdp changes when a
 multi-worker strategy starts (TensorFlow 2.21). Everything else about
 start-up failures (which addresses to name, what to tell the user) is
-`tfdp.startup`'s.
+`tfdp.distribute.startup`'s.
 
 How TensorFlow waits. `MultiWorkerMirroredStrategy.__init__`
 (`collective_all_reduce_strategy.py::_initialize_multi_worker`) configures a

@@ -30,7 +30,7 @@ things Keras has no public hook for:
    epoch's end, `k` = `steps_per_execution`); every other input runs Keras'
    own generator unchanged.
 
-`tests/callbacks/test_keras_fit_resume.py` checks each of these against the
+`tests/training/callbacks/test_keras_fit_resume.py` checks each of these against the
 installed Keras (and that Keras' own callback still re-applies batches, the
 reason this module exists); `is_supported()` gates `install()` on the Keras
 versions it was written against.
@@ -45,7 +45,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from tfdp.batch import num_batches
+from tfdp.training.batch import num_batches
 from keras.src.trainers import epoch_iterator as _epoch_iterator
 from keras.src.trainers.data_adapters import data_adapter as _data_adapter
 

@@ -4,7 +4,7 @@ This module owns every patch tfdp applies so that the standard Keras workflow
 (`with strategy.scope(): model.compile(...)`, then `model.fit(dataset)`) runs
 on a `tf.distribute.MultiWorkerMirroredStrategy` (MWMS) with TensorFlow 2.21
 and Keras 3.15 (the bugs were reported from TF 2.16 / Keras 3.x on). It does
-not choose or build strategies: `tfdp.strategy` calls `apply()` whenever it
+not choose or build strategies: `tfdp.distribute.strategy` calls `apply()` whenever it
 builds an MWMS. Patches 1 and 2 act only when the model's strategy is an MWMS.
 Patch 3 fixes a TensorFlow bug that equally breaks `steps_per_execution > 1`
 on an in-process MirroredStrategy whose all-reduce uses collectives

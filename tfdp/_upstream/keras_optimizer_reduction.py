@@ -6,7 +6,7 @@ keras/src/backend/tensorflow/optimizer.py), just before it updates the
 variables, and offers no way to see the reduced gradients or to pass in
 gradients that are already reduced (tf-keras had
 `apply_gradients(..., experimental_aggregate_gradients=False)`; Keras 3 dropped
-it). `tfdp.nonfinite` needs both: it all-reduces the gradients itself, decides
+it). `tfdp.training.nonfinite` needs both: it all-reduces the gradients itself, decides
 from the *reduced* gradients whether the step is finite (the same sum on every
 replica and worker, so the same decision, without a second collective), and
 only then lets the optimizer apply them.
@@ -16,7 +16,7 @@ into the identity for the `apply` calls made inside it (at trace time: the
 graph traced there has one all-reduce, tfdp's). It touches one private member,
 `_all_reduce_sum_gradients`. `all_reduce_sum` is the same reduction Keras does
 (one batched all-reduce of the non-`None` gradients).
-`tests/test_nonfinite.py::test_one_all_reduce_per_step_and_the_same_update_as_keras`
+`tests/training/test_nonfinite.py::test_one_all_reduce_per_step_and_the_same_update_as_keras`
 counts the all-reduces at run time and compares the weights with Keras' own
 `apply`: if Keras renames or stops using that member, the gradients are summed
 twice and that test fails.

@@ -1,6 +1,6 @@
 """The forward-and-loss part of Keras 3's TensorFlow `train_step`, reusable.
 
-`tfdp.accumulation` runs Keras' train step once per micro-batch but must own
+`tfdp.training.accumulation` runs Keras' train step once per micro-batch but must own
 the gradient and optimizer part itself. Keras has no public hook for "forward,
 loss, loss tracker" alone, so this module repeats those lines of
 `keras/src/backend/tensorflow/trainer.py` (`TensorFlowTrainer.train_step`,

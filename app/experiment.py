@@ -1,0 +1,385 @@
+"""One training run from a `RunConfig`: `train_and_evaluate`.
+
+This module owns the sequence of a run (validate batch against the planned
+replicas, build the strategy, data, model and optimiser, train with
+`model.fit` or `tfdp.Trainer`, evaluate, write `summary.json`) and the
+start-up line the chief prints. It does not know where data or models come
+from: the caller passes `build_dataset` and `build_model` (the `tfdp-train`
+entry point wires in `pipelines` and `models`), so `tfdp` stays independent of
+both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Protocol
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfdp.training import accumulation
+from tfdp.training import checkpointing
+from tfdp.callbacks import BackupAndRestore
+from tfdp.training import lr_schedules
+from tfdp import optimizers as tfdp_optimizers
+from tfdp.distribute import startup
+from tfdp.distribute import strategy as strategy_lib
+from tfdp.training.batch import BatchConfig
+from tfdp.app.run_config import ConfigError
+from tfdp.app.run_config import RunConfig
+from tfdp.training.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """What the run needs to know about a dataset to build the model and schedule.
+
+    Attributes:
+        input_shape: one example's feature shape, without the batch axis.
+        num_classes: label classes.
+        steps_per_epoch: optimizer steps (global batches) per epoch.
+        num_examples: examples in the split.
+    """
+
+    input_shape: tuple
+    num_classes: int
+    steps_per_epoch: int
+    num_examples: int
+
+
+class BuildDataset(Protocol):
+    def __call__(self, split: str, *, training: bool, strategy: tf.distribute.Strategy,
+                 batch: BatchConfig, seed: int) -> tuple[Any, DatasetSpec]:
+        """Returns the dataset for `split` (global batches per step) and its spec."""
+
+
+BuildModel = Callable[..., keras.Model]  # (name, *, input_shape, num_classes) -> model
+
+#: Step decay: the learning rate is multiplied by this at 50% and 75% of training.
+STEP_DECAY_RATE = 0.1
+
+
+def batch_config(config: RunConfig, num_replicas: int) -> BatchConfig:
+    """The run's batch arithmetic; errors name the flag that needs changing."""
+    if config.global_batch is not None:
+        try:
+            return BatchConfig.from_global(config.global_batch, num_replicas, config.accum_steps)
+        except ValueError as error:
+            raise ConfigError(f"--global_batch: {error}") from None
+    return BatchConfig(config.per_replica_batch, num_replicas, config.accum_steps)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffling seed of `epoch`: each epoch's order depends only on (seed, epoch)."""
+    return seed * 100_003 + epoch
+
+
+def learning_rate_schedule(config: RunConfig, batch: BatchConfig, steps_per_epoch: int):
+    """The scaled peak learning rate and its warmup/decay schedule (optimizer steps)."""
+    base_batch = config.base_batch or batch.global_batch
+    peak = lr_schedules.scale_lr(config.base_lr, base_batch, batch.global_batch, config.lr_scaling)
+    total = config.epochs * steps_per_epoch
+    warmup = config.warmup_steps
+    if warmup is None:
+        warmup = round((config.warmup_epochs or 0) * steps_per_epoch)
+    warmup = min(warmup, total - 1)
+    kwargs: dict = {}
+    if config.decay in ("cosine", "poly"):
+        kwargs["total_steps"] = total
+    elif config.decay == "step":
+        boundaries = sorted({max(warmup, 1, round(total * f)) for f in (0.5, 0.75)})
+        kwargs.update(decay_boundaries=[b for b in boundaries if b < total] or [total - 1],
+                      decay_rate=STEP_DECAY_RATE)
+    schedule = lr_schedules.WarmupSchedule(peak, warmup_steps=warmup, decay=config.decay, **kwargs)
+    return peak, schedule
+
+
+def make_optimizer(config: RunConfig, learning_rate) -> keras.optimizers.Optimizer:
+    """The `--optimizer` with `--weight_decay`; call inside `strategy.scope()`."""
+    decay = config.weight_decay or None
+    if config.optimizer == "sgd":
+        return keras.optimizers.SGD(learning_rate, weight_decay=decay)
+    if config.optimizer == "momentum":
+        return keras.optimizers.SGD(learning_rate, momentum=0.9, weight_decay=decay)
+    if config.optimizer == "adam":
+        return keras.optimizers.Adam(learning_rate, weight_decay=decay)
+    if config.optimizer == "adamw":
+        return keras.optimizers.AdamW(learning_rate, weight_decay=config.weight_decay)
+    if config.optimizer == "lars":
+        return tfdp_optimizers.LARS(learning_rate, momentum=0.9, weight_decay=config.weight_decay)
+    return tfdp_optimizers.LAMB(learning_rate, weight_decay=config.weight_decay)
+
+
+class _EpochTimer(keras.callbacks.Callback):
+    """Wall time and optimizer steps of each epoch `fit` runs (a resumed one runs fewer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs: list[tuple[float, int]] = []  # (seconds, steps)
+
+    def _state(self):
+        return time.perf_counter(), int(self.model.optimizer.iterations.numpy())
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self._state()
+
+    def on_epoch_end(self, epoch, logs=None):
+        now, steps = self._state()
+        self.epochs.append((now - self._start[0], steps - self._start[1]))
+
+
+def _floats(logs: dict) -> dict:
+    return {k: float(v) for k, v in logs.items()}
+
+
+def train_and_evaluate(
+    config: RunConfig, *, build_dataset: BuildDataset, build_model: BuildModel
+) -> dict:
+    """Trains `config.model` on `config.dataset` data-parallel, then evaluates.
+
+    Every worker calls it; only the chief logs progress and writes
+    `model_dir/summary.json`.
+
+    Args:
+        config: the run's options (already validated on construction).
+        build_dataset: builds a split's dataset and `DatasetSpec`.
+        build_model: `(name, *, input_shape, num_classes) -> keras.Model`,
+            logits out.
+
+    Returns:
+        The summary: `train` and `eval` metrics, `batch`, `steps`,
+        `examples_per_second`, `wall_time_seconds`, `learning_rate`,
+        `strategy`, `config`.
+
+    Raises:
+        ConfigError: the batch does not divide over the replicas, or
+            `--steps_per_epoch` exceeds the data, or `--loop=fit` was asked to
+            continue a run in a `model_dir` that holds a checkpoint.
+    """
+    start = time.perf_counter()
+    strategy_options = dict(
+        cpu_replicas=config.cpu_replicas, cross_device_ops=config.cross_device_ops,
+        communication=config.communication, bytes_per_pack=config.bytes_per_pack,
+        timeout_seconds=config.collective_timeout,
+    )
+    try:
+        plan = strategy_lib.plan_from_environment(config.strategy, **strategy_options)
+    except ValueError as error:  # contradicts the cluster or the hardware
+        raise ConfigError(str(error)) from None
+    batch = batch_config(config, plan.num_replicas)  # before any collective starts
+    if config.mixed_precision != "none":
+        keras.config.set_dtype_policy(config.mixed_precision)
+    strategy = strategy_lib.make_strategy(config.strategy, **strategy_options)
+    startup.check_same_config(strategy, config.to_dict())  # every worker, same flags
+    info = strategy_lib.strategy_info(strategy)
+    if config.jit_compile:
+        try:
+            strategy_lib.check_jit_compile_supported(strategy)
+        except ValueError as error:
+            raise ConfigError(f"--jit_compile: {error}") from None
+
+    train_data, spec = build_dataset(
+        "train", training=True, strategy=strategy, batch=batch, seed=epoch_seed(config.seed, 0)
+    )
+    steps_per_epoch = config.steps_per_epoch or spec.steps_per_epoch
+    if steps_per_epoch > spec.steps_per_epoch:
+        raise ConfigError(
+            f"--steps_per_epoch={config.steps_per_epoch} exceeds the {spec.steps_per_epoch} "
+            f"global batches of {batch.global_batch} in the {spec.num_examples} training "
+            f"examples. Lower it, or leave it unset to use the whole split."
+        )
+    peak_lr, schedule = learning_rate_schedule(config, batch, steps_per_epoch)
+    with strategy.scope():
+        keras.utils.set_random_seed(config.seed)
+        model = build_model(config.model, input_shape=spec.input_shape,
+                            num_classes=spec.num_classes)
+        optimizer = make_optimizer(config, schedule)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if info.is_chief:
+        print(f"tfdp-train: {info.describe()}")
+        print(f"tfdp-train: {batch.describe()}")
+        print(
+            f"tfdp-train: {config.optimizer}, learning rate {config.base_lr:g} at batch "
+            f"{config.base_batch or batch.global_batch} -> {peak_lr:.6g} at {batch.global_batch} "
+            f"({config.lr_scaling} scaling), warmup {schedule.warmup_steps} steps, "
+            f"{config.decay} decay; {config.epochs} epochs x {steps_per_epoch} steps",
+            flush=True,
+        )
+
+    unused = [train_data]
+
+    def dataset_for_epoch(epoch: int):
+        # A fresh dataset per call: iterating one distributed dataset twice
+        # (Keras' first peek, then the epoch) does not give a reproducible
+        # order, and a resumed run must see exactly the batches the straight
+        # run saw. `train_data` is handed out once, for epoch 0.
+        if epoch == 0 and unused:
+            return unused.pop()
+        return build_dataset("train", training=True, strategy=strategy, batch=batch,
+                             seed=epoch_seed(config.seed, epoch))[0]
+
+    train_started = time.perf_counter()
+    if config.loop == "fit":
+        train_logs, examples_per_second = _train_with_fit(
+            config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch, info
+        )
+        eval_model = model
+        steps = int(optimizer.iterations.numpy())
+    else:
+        trainer = Trainer(
+            model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
+            metrics=["accuracy"], model_dir=config.model_dir,
+            steps_per_loop=config.steps_per_loop, checkpoint_every=config.checkpoint_every,
+            jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
+        )
+
+        result = trainer.train(dataset_for_epoch, epochs=config.epochs,
+                               steps_per_epoch=steps_per_epoch)
+        examples_per_second = result.pop("examples_per_second")
+        steps = int(result.pop("steps"))
+        result.pop("epochs")
+        train_logs = result
+        eval_model = trainer
+    train_seconds = time.perf_counter() - train_started
+
+    eval_logs: dict = {}
+    if config.eval:
+        eval_data, _ = build_dataset("test", training=False, strategy=strategy, batch=batch,
+                                     seed=config.seed)
+        if config.loop == "fit":
+            eval_logs = _floats(eval_model.evaluate(eval_data, return_dict=True, verbose=0))
+        else:
+            eval_logs = _floats(eval_model.evaluate(eval_data))
+    summary = {
+        "train": _floats(train_logs),
+        "eval": eval_logs,
+        "batch": {
+            "per_replica": batch.per_replica, "replicas": batch.num_replicas,
+            "accum_steps": batch.accum_steps, "global": batch.global_batch,
+        },
+        "steps": steps,
+        "steps_per_epoch": steps_per_epoch,
+        "examples_per_second": examples_per_second,
+        "train_seconds": train_seconds,
+        "wall_time_seconds": time.perf_counter() - start,
+        "learning_rate": peak_lr,
+        "strategy": dataclasses.asdict(info),
+        "config": config.to_dict(),
+    }
+    if info.is_chief:
+        print("tfdp-train: train " + ", ".join(f"{k} {v:.4f}" for k, v in summary["train"].items()))
+        if eval_logs:
+            print("tfdp-train: eval " + ", ".join(f"{k} {v:.4f}" for k, v in eval_logs.items()))
+        print(f"tfdp-train: {steps} steps, {examples_per_second:.0f} examples/s, "
+              f"{summary['wall_time_seconds']:.1f} s", flush=True)
+        if config.model_dir:
+            os.makedirs(config.model_dir, exist_ok=True)
+            with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2, default=str)
+    return summary
+
+
+def steps_per_execution_for(
+    steps_per_loop: int, steps_per_epoch: int | None, checkpoint_every: int | None = None
+) -> int:
+    """The largest divisor of `steps_per_epoch` and `checkpoint_every` <= `steps_per_loop`.
+
+    Keras' epoch iterator runs whole executions and calls batch callbacks
+    once per execution. With an explicit `steps_per_epoch` shorter than the
+    data, an execution that does not divide it overruns the epoch (5 steps
+    per epoch at 2 per execution run 6); a backup every `checkpoint_every`
+    steps can only land at the end of an execution. Either may be `None`
+    (no constraint): an epoch that ends with the data may end part-way
+    through an execution.
+    """
+    constraints = [n for n in (steps_per_epoch, checkpoint_every) if n]
+    if not constraints:
+        return steps_per_loop
+    common = math.gcd(*constraints)
+    return max(d for d in range(1, min(steps_per_loop, common) + 1) if common % d == 0)
+
+
+def _final_checkpoint(config, model, info) -> checkpointing.ChiefCheckpointManager:
+    """Where `--loop=fit` keeps its final weights and optimizer: `model_dir`."""
+    return checkpointing.ChiefCheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer), config.model_dir,
+        is_chief=info.is_chief,
+    )
+
+
+def _restore_finished_run(config, model, info, total_steps: int) -> bool:
+    """Restores a finished `--loop=fit` run from `model_dir`; True if there is one.
+
+    Raises:
+        ConfigError: `model_dir` holds a final checkpoint of fewer steps than
+            this run plans (fit cannot extend a finished run).
+    """
+    manager = _final_checkpoint(config, model, info)
+    if manager.latest_checkpoint is None:
+        return False
+    with model.distribute_strategy.scope():  # slots exist before they are restored
+        model.optimizer.build(model.trainable_variables)
+    manager.restore_latest()
+    done = int(model.optimizer.iterations.numpy())
+    if done < total_steps:
+        raise ConfigError(
+            f"--model_dir={config.model_dir} holds a finished --loop=fit run of {done} "
+            f"steps, and this run plans {total_steps}; --loop=fit cannot extend a finished "
+            f"run. Use a new --model_dir, or --loop=custom (which continues from the "
+            f"saved step)."
+        )
+    if info.is_chief:
+        print(f"tfdp-train: {config.model_dir} already holds this run's {done} steps; "
+              f"evaluating it without training.", flush=True)
+    return True
+
+
+def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch,
+                    info):
+    """`model.fit` through `tfdp.compile`; resumable from `model_dir/backup`.
+
+    With a `model_dir`, `tfdp.callbacks.BackupAndRestore` backs the run up
+    every `--checkpoint_every` steps (else every epoch) and on SIGTERM (exit
+    code 42), and a rerun of the same command resumes at the exact step; the
+    final weights go to `model_dir` as a checkpoint, as `--loop=custom` does.
+    """
+    steps_per_execution = steps_per_execution_for(
+        config.steps_per_loop, config.steps_per_epoch, config.checkpoint_every
+    )
+    if steps_per_execution != config.steps_per_loop and info.is_chief:
+        print(f"tfdp-train: running {steps_per_execution} steps per execution instead of "
+              f"--steps_per_loop={config.steps_per_loop}, so that executions divide "
+              f"--steps_per_epoch={config.steps_per_epoch} and --checkpoint_every="
+              f"{config.checkpoint_every}.")
+    accumulation.compile(
+        model, optimizer=optimizer, loss=loss, metrics=["accuracy"],
+        accum_steps=config.accum_steps, steps_per_execution=steps_per_execution,
+        jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
+    )
+    total_steps = config.epochs * steps_per_epoch
+    if config.model_dir and _restore_finished_run(config, model, info, total_steps):
+        return {}, 0.0
+    timer = _EpochTimer()
+    callbacks = [timer]
+    fit_input, fit_steps = dataset_for_epoch(0), config.steps_per_epoch
+    if config.model_dir:
+        backup = BackupAndRestore(os.path.join(config.model_dir, "backup"),
+                                  save_freq=config.checkpoint_every or "epoch")
+        fit_input, fit_steps = backup.wrap(dataset_for_epoch, steps_per_epoch=steps_per_epoch), None
+        callbacks.append(backup)
+    verbose = (1 if sys.stdout.isatty() else 2) if info.is_chief else 0
+    history = model.fit(fit_input, epochs=config.epochs, steps_per_epoch=fit_steps,
+                        callbacks=callbacks, verbose=verbose)
+    if config.model_dir:
+        _final_checkpoint(config, model, info).save(int(model.optimizer.iterations.numpy()))
+    train_logs = {k: v[-1] for k, v in history.history.items()}
+    # The last epoch's throughput: the first one includes tracing.
+    seconds, steps = timer.epochs[-1] if timer.epochs else (0.0, 0)
+    examples_per_second = steps * batch.global_batch / seconds if seconds else 0.0
+    return train_logs, examples_per_second

@@ -1,0 +1,188 @@
+"""The options of one training run, validated before anything starts.
+
+`RunConfig` is what `tfdp-train`'s flags map to, one field per flag, and what
+`tfdp.app.experiment.train_and_evaluate` takes. This module owns the rules that
+need no TensorFlow state (choices, ranges, flags that contradict each other);
+it does not read flags (`tfdp.app.train` does) or build anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tfdp.distribute import reduction
+from tfdp.distribute import strategy as strategy_lib
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lars", "lamb")
+LR_SCALINGS = ("linear", "sqrt", "none")
+DECAYS = ("constant", "cosine", "step", "poly")
+LOOPS = ("fit", "custom")
+MIXED_PRECISIONS = ("none", "mixed_float16", "mixed_bfloat16")
+#: The global batch when neither --global_batch nor --per_replica_batch is given.
+DEFAULT_GLOBAL_BATCH = 64
+
+
+class ConfigError(ValueError):
+    """An option (flag) is invalid or contradicts another; raised before training."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one `tfdp-train` run needs; each field is the flag of that name.
+
+    What to train:
+        model: registered model name (`models.get`). dataset: registered source
+        name (`pipelines`). data_dir: TFDS data directory (None: default).
+        epochs: epochs to train. steps_per_epoch: optimizer steps per epoch
+        (None: the whole training split). eval: evaluate on the test split
+        at the end. seed: seeds initialisation, shuffling and augmentation.
+
+    Where: strategy, cpu_replicas, cross_device_ops, communication,
+        bytes_per_pack: see `tfdp.make_strategy`; collective_timeout: its
+        `timeout_seconds` (None: wait forever).
+
+    Batch (examples per optimizer step; see `tfdp.BatchConfig`): at most one
+        of global_batch and per_replica_batch (neither: global_batch =
+        DEFAULT_GLOBAL_BATCH), and accum_steps.
+
+    Optimiser: optimizer; base_lr, the learning rate tuned at base_batch
+        (None: the global batch, i.e. no scaling); lr_scaling (`tfdp.scale_lr`
+        rule); warmup_epochs or warmup_steps; decay (`tfdp.WarmupSchedule`);
+        weight_decay.
+
+    How: loop (`fit`: Keras `model.fit` through `tfdp.compile`; `custom`:
+        `tfdp.Trainer`), steps_per_loop (optimizer steps per `tf.function`
+        call: `steps_per_execution` for fit), mixed_precision, jit_compile,
+        all_reduce_dtype (None or "bfloat16": the dtype gradients are summed
+        over replicas in; `tfdp.distribute.reduction`),
+        model_dir (checkpoints, TensorBoard, summary.json; None: none),
+        checkpoint_every (optimizer steps; None: at the end only).
+    """
+
+    model: str = "cnn"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    epochs: int = 10
+    steps_per_epoch: int | None = None
+    eval: bool = True
+    seed: int = 0
+
+    strategy: str = "auto"
+    cpu_replicas: int | None = None
+    cross_device_ops: str = "auto"
+    communication: str = "auto"
+    bytes_per_pack: int | None = None
+    collective_timeout: float | None = None
+
+    global_batch: int | None = None
+    per_replica_batch: int | None = None
+    accum_steps: int = 1
+
+    optimizer: str = "momentum"
+    base_lr: float = 0.05
+    base_batch: int | None = None
+    lr_scaling: str = "linear"
+    warmup_epochs: float | None = None
+    warmup_steps: int | None = None
+    decay: str = "cosine"
+    weight_decay: float = 0.0
+
+    loop: str = "fit"
+    steps_per_loop: int = 10
+    mixed_precision: str = "none"
+    jit_compile: bool = False
+    all_reduce_dtype: str | None = None
+    model_dir: str | None = None
+    checkpoint_every: int | None = None
+
+    def __post_init__(self):
+        if self.global_batch is None and self.per_replica_batch is None:
+            object.__setattr__(self, "global_batch", DEFAULT_GLOBAL_BATCH)
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every rule that needs no TensorFlow state.
+
+        Raises:
+            ConfigError: naming the flag, the rule, what was received and the fix.
+        """
+        _choice("strategy", self.strategy, strategy_lib.KINDS)
+        _choice("cross_device_ops", self.cross_device_ops, strategy_lib.CROSS_DEVICE_OPS)
+        _choice("communication", self.communication, strategy_lib.COMMUNICATIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("decay", self.decay, DECAYS)
+        _choice("loop", self.loop, LOOPS)
+        _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if self.all_reduce_dtype is not None:
+            _choice("all_reduce_dtype", self.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES)
+        for name in ("model", "dataset"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"--{name} must name a registered {name}. "
+                                 f"Received: --{name}={getattr(self, name)!r}")
+        _positive("epochs", self.epochs)
+        _positive("steps_per_epoch", self.steps_per_epoch, allow_none=True)
+        _positive("cpu_replicas", self.cpu_replicas, allow_none=True)
+        _positive("bytes_per_pack", self.bytes_per_pack, minimum=0, allow_none=True)
+        _positive("accum_steps", self.accum_steps, hint=" (1: no accumulation)")
+        _positive("steps_per_loop", self.steps_per_loop)
+        _positive("checkpoint_every", self.checkpoint_every, allow_none=True)
+        _positive("base_batch", self.base_batch, allow_none=True)
+        _positive("warmup_steps", self.warmup_steps, allow_none=True, minimum=0)
+        _positive("global_batch", self.global_batch, allow_none=True)
+        _positive("per_replica_batch", self.per_replica_batch, allow_none=True)
+        if self.global_batch is not None and self.per_replica_batch is not None:
+            raise ConfigError(
+                "Pass at most one of --global_batch (examples per optimizer step, "
+                "over all replicas) or --per_replica_batch (examples per replica per "
+                f"micro-batch). Received: --global_batch={self.global_batch}, "
+                f"--per_replica_batch={self.per_replica_batch}"
+            )
+        if self.warmup_epochs is not None and self.warmup_steps is not None:
+            raise ConfigError(
+                "Pass at most one of --warmup_epochs and --warmup_steps. Received: "
+                f"--warmup_epochs={self.warmup_epochs}, --warmup_steps={self.warmup_steps}"
+            )
+        if self.warmup_epochs is not None and not 0 <= self.warmup_epochs <= self.epochs:
+            raise ConfigError(
+                f"--warmup_epochs must be in [0, --epochs={self.epochs}]. "
+                f"Received: --warmup_epochs={self.warmup_epochs}"
+            )
+        if self.collective_timeout is not None and (
+                isinstance(self.collective_timeout, bool)
+                or not isinstance(self.collective_timeout, (int, float))
+                or not 0 < self.collective_timeout < float("inf")):
+            raise ConfigError(
+                "--collective_timeout must be a positive number of seconds (how long a "
+                "collective waits for a stuck worker), or unset to wait forever. "
+                f"Received: --collective_timeout={self.collective_timeout!r}")
+        if not self.base_lr > 0:
+            raise ConfigError(f"--base_lr must be > 0. Received: --base_lr={self.base_lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(
+                f"--weight_decay must be >= 0. Received: --weight_decay={self.weight_decay}"
+            )
+        if self.checkpoint_every is not None and self.model_dir is None:
+            raise ConfigError(
+                "--checkpoint_every needs --model_dir (where checkpoints go). "
+                f"Received: --checkpoint_every={self.checkpoint_every} without --model_dir"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(
+            f"--{name} must be one of {', '.join(choices)}. Received: --{name}={value!r}"
+        )
+
+
+def _positive(name, value, *, allow_none=False, minimum=1, hint=""):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            f"--{name} must be an integer >= {minimum}{hint}. Received: --{name}={value!r}"
+        )

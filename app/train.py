@@ -1,0 +1,224 @@
+"""`tfdp-train`: train a registered model on a registered dataset, data-parallel.
+
+    tfdp-train --dataset=digits --model=cnn --global_batch=64 --model_dir=runs/digits
+    tfdp-launch --nproc_per_node 2 -- tfdp-train --dataset=digits --model=cnn \\
+        --global_batch=64 --model_dir=runs/digits
+
+This is the entry point that wires `pipelines` (data) and `models` into
+`tfdp.app.experiment.train_and_evaluate`, the one place where `tfdp` imports them
+(`tests/test_layout.py` allows exactly this module). It reads and validates
+flags, then calls the library: invalid or contradictory flags exit with
+status 2 and one line naming the flag, before any training or collective.
+"""
+
+from __future__ import annotations
+
+import logging as py_logging
+import os
+import sys
+from typing import Sequence
+
+# TensorFlow's C++ start-up chatter (INFO) before it is imported; warnings stay.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+
+from tfdp.distribute import cluster as cluster_lib  # noqa: E402
+from tfdp.distribute import reduction  # noqa: E402
+from tfdp.app import run_config  # noqa: E402
+from tfdp.distribute import startup  # noqa: E402
+from tfdp.distribute import strategy as strategy_lib  # noqa: E402
+
+_D = run_config.RunConfig()  # defaults, one source of truth
+
+# What to train.
+flags.DEFINE_string("model", _D.model, "Registered model name (see models.names()).")
+flags.DEFINE_string("dataset", _D.dataset, "Registered dataset: digits (offline), a TFDS "
+                    "name such as mnist or cifar10, or synthetic sources.")
+flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDP_DATA_DIR or "
+                    "~/tensorflow_datasets).")
+flags.DEFINE_integer("epochs", _D.epochs, "Epochs to train.")
+flags.DEFINE_integer("steps_per_epoch", None, "Optimizer steps per epoch (default: the whole "
+                     "training split).")
+flags.DEFINE_bool("eval", _D.eval, "Evaluate on the test split at the end.")
+flags.DEFINE_integer("seed", _D.seed, "Seed for initialisation, shuffling and augmentation.")
+# Where.
+flags.DEFINE_enum("strategy", _D.strategy, strategy_lib.KINDS, "Distribution strategy.")
+flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas (one "
+                     "process, no GPU).")
+flags.DEFINE_enum("cross_device_ops", _D.cross_device_ops, strategy_lib.CROSS_DEVICE_OPS,
+                  "MirroredStrategy all-reduce.")
+flags.DEFINE_enum("communication", _D.communication, strategy_lib.COMMUNICATIONS,
+                  "MultiWorkerMirroredStrategy collectives.")
+flags.DEFINE_integer("bytes_per_pack", _D.bytes_per_pack, "MultiWorkerMirroredStrategy "
+                     "gradient pack size in bytes (0: one pack, TensorFlow's default; "
+                     "unset: 4 MiB on CPU workers, 0 on GPU workers).")
+flags.DEFINE_float("collective_timeout", None, "MultiWorkerMirroredStrategy: fail a collective "
+                   "that waits longer than this many seconds for a stuck or stopped worker "
+                   "(default: wait forever).")
+# Batch.
+flags.DEFINE_integer("global_batch", None, "Examples per optimizer step over all replicas "
+                     "(at most one of --global_batch, --per_replica_batch; neither: "
+                     f"{run_config.DEFAULT_GLOBAL_BATCH} global).")
+flags.DEFINE_integer("per_replica_batch", None, "Examples per replica per micro-batch.")
+flags.DEFINE_integer("accum_steps", _D.accum_steps, "Micro-batches accumulated per "
+                     "optimizer step.")
+# Optimiser.
+flags.DEFINE_enum("optimizer", _D.optimizer, run_config.OPTIMIZERS, "Optimizer "
+                  "(momentum: SGD with momentum 0.9).")
+flags.DEFINE_float("base_lr", _D.base_lr, "Learning rate at --base_batch.")
+flags.DEFINE_integer("base_batch", None, "Batch --base_lr was tuned for (default: the "
+                     "global batch, no scaling).")
+flags.DEFINE_enum("lr_scaling", _D.lr_scaling, run_config.LR_SCALINGS,
+                  "How the learning rate scales from --base_batch to the global batch.")
+flags.DEFINE_float("warmup_epochs", None, "Linear warmup, in epochs.")
+flags.DEFINE_integer("warmup_steps", None, "Linear warmup, in optimizer steps.")
+flags.DEFINE_enum("decay", _D.decay, run_config.DECAYS, "Learning-rate decay after warmup.")
+flags.DEFINE_float("weight_decay", _D.weight_decay, "Weight decay.")
+# How.
+flags.DEFINE_enum("loop", _D.loop, run_config.LOOPS, "fit: Keras model.fit via tfdp.compile; "
+                  "custom: tfdp.Trainer (resumes exactly from --model_dir).")
+flags.DEFINE_integer("steps_per_loop", _D.steps_per_loop, "Optimizer steps per tf.function "
+                     "call.")
+flags.DEFINE_enum("mixed_precision", _D.mixed_precision, run_config.MIXED_PRECISIONS,
+                  "Keras dtype policy.")
+flags.DEFINE_bool("jit_compile", _D.jit_compile, "Compile the train step with XLA.")
+flags.DEFINE_enum("all_reduce_dtype", _D.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES,
+                  "Sum gradients over replicas in this dtype (half the bytes for bfloat16, "
+                  "about 3 significant digits per sum); unset: in their own dtype.")
+flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard summaries and summary.json.")
+flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N optimizer steps (and at "
+                     "the end).")
+
+FLAGS = flags.FLAGS
+
+
+def config_from_flags() -> run_config.RunConfig:
+    """Maps the parsed flags onto a `RunConfig` (which validates them)."""
+    fields = {field: getattr(FLAGS, field) for field in run_config.RunConfig.__dataclass_fields__}
+    return run_config.RunConfig(**fields)
+
+
+def _build_dataset(config: run_config.RunConfig):
+    from tfdp import pipelines
+
+    from tfdp.app.experiment import DatasetSpec
+
+    def build(split, *, training, strategy, batch, seed):
+        # Dataset-specific preprocessing lives in pipelines: images are scaled
+        # to [0, 1]; other sources pass through.
+        source_info = pipelines.describe_source(config.dataset, split=split,
+                                                data_dir=config.data_dir)
+        preprocess = None
+        features = source_info.features
+        if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
+            preprocess = pipelines.for_images(training=training)
+        dataset = pipelines.make_dataset(
+            config.dataset, split=split, strategy=strategy, global_batch=batch.global_batch,
+            accum_steps=batch.accum_steps, training=training, seed=seed,
+            data_dir=config.data_dir, preprocess=preprocess,
+        )
+        info = dataset.pipeline_info
+        feature_spec = info.element_spec[0]
+        return dataset, DatasetSpec(
+            input_shape=tuple(feature_spec.shape), num_classes=info.num_classes,
+            steps_per_epoch=info.steps_per_epoch, num_examples=info.num_examples,
+        )
+
+    return build
+
+
+def _check_names(config: run_config.RunConfig) -> None:
+    """Checks --model and --dataset without starting TensorFlow's runtime.
+
+    The strategy must be built first (`MultiWorkerMirroredStrategy` configures
+    collective ops at start-up), so nothing here may create a tensor or read
+    data: the digits dataset is prepared later, by the first dataset built.
+    """
+    from tfdp import models
+    from tfdp import pipelines
+
+    if config.model not in models.names():
+        raise run_config.ConfigError(
+            f"--model must be one of {', '.join(models.names())}. "
+            f"Received: --model={config.model!r}"
+        )
+    try:
+        pipelines.check_source_name(config.dataset)
+    except ValueError as error:
+        raise run_config.ConfigError(f"--dataset: {error}") from None
+
+
+#: Packages whose INFO logs the chief shows (progress, resume, data accounting).
+_OWN_PACKAGES = ("tfdp", "tfdp.app", "tfdp.launch", "tfdp.models", "tfdp.pipelines")
+
+
+class _OwnInfoOnly(py_logging.Filter):
+    """Passes warnings from anywhere, and INFO only from tfdp's own packages."""
+
+    def __init__(self):
+        super().__init__()
+        roots = []
+        for name in _OWN_PACKAGES:
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None):
+                roots.append(os.path.dirname(module.__file__) + os.sep)
+        self._roots = tuple(roots)
+
+    def filter(self, record: py_logging.LogRecord) -> bool:
+        return record.levelno >= py_logging.WARNING or record.pathname.startswith(self._roots)
+
+
+def _process_is_chief() -> bool:
+    """Whether this process is the chief, from TF_CONFIG or Slurm (no TensorFlow)."""
+    config = cluster_lib.parse_tf_config()
+    if config is not None:
+        return config.is_chief
+    return os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def _configure_logging(is_chief: bool) -> None:
+    """The chief logs tfdp's progress; other workers log only what goes wrong.
+
+    TensorFlow's and TFDS' INFO lines (collective launches, dataset reads) are
+    dropped everywhere: they bury the progress lines on a multi-worker run.
+    """
+    import tensorflow as tf
+
+    tf.get_logger().setLevel(py_logging.WARNING)
+    logging.get_absl_handler().addFilter(_OwnInfoOnly())
+    logging.set_verbosity(logging.INFO if is_chief else logging.WARNING)
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    from tfdp import models
+
+    from tfdp.app import experiment
+
+    try:
+        config = config_from_flags()
+        _check_names(config)
+        _configure_logging(_process_is_chief())
+        with startup.explain_peer_failures(collective_timeout=config.collective_timeout):
+            experiment.train_and_evaluate(
+                config, build_dataset=_build_dataset(config), build_model=models.get
+            )
+    except (run_config.ConfigError, startup.ConfigMismatchError) as error:
+        print(f"tfdp-train: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except (startup.StartupError, startup.PeerFailureError) as error:
+        print(f"tfdp-train: error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run() -> None:
+    """Console-script entry point (`tfdp-train`)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

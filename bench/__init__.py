@@ -1,0 +1,21 @@
+"""tfdp's performance suite: `python -m tfdp.bench` (console script `tfdp-bench`).
+
+Six cases, run side by side in one invocation so their ratios come from the
+same minutes of the same machine, each in fresh processes with deadlines:
+
+1. scaling (`scaling`): the CNN on 1 vs 2 worker processes (`python -m
+   launch`), tfdp's fit path and its custom loop;
+2. overhead (`overhead`): tfdp fit vs plain Keras fit vs tfdp's Trainer vs
+   hand-written loops, same strategy (both from `throughput`);
+3. peer (`peer_torch`): PyTorch DDP (gloo, CPU) on the same network;
+4. accumulation (`accumulation`): k micro-batches per all-reduce vs one
+   all-reduce per micro-batch, time and peak memory;
+5. all-reduce (`allreduce`): latency and bandwidth vs message size and
+   `bytes_per_pack`, beside the ring lower bound;
+6. input pipeline (`input_pipeline`): `tfdp.bench.input_pipeline_run` in a subprocess.
+
+`workloads` defines the networks and data, `procs` runs processes,
+`worker` is the measurement processes' entry point, `suite` the order and
+sizes, `targets` the issue's thresholds, `report` the output files. Nothing
+here is imported by the rest of tfdp.
+"""

@@ -1,0 +1,196 @@
+"""Which benchmark cases run, in which order, with which sizes.
+
+This module owns the suite: a `SuiteConfig` (full or `--quick` sizes) and
+`run_suite`, which runs every case in one go so that the ratios between them
+come from the same minutes of the same machine, and collects their results,
+the machine description and the targets into one dictionary. A case that
+fails is recorded with its error and the others still run. Measuring is the
+case modules' job, writing files `tfdp.bench.report`'s.
+
+Order: the CNN throughput launches (1 and 2 workers, alternating when
+`rounds > 1`) feed the scaling and overhead cases; PyTorch DDP runs right
+after them on the same network; then the all-reduce, accumulation and
+input-pipeline cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import Callable
+
+from tfdp.bench import accumulation
+from tfdp.bench import allreduce
+from tfdp.bench import input_pipeline
+from tfdp.bench import machine
+from tfdp.bench import overhead
+from tfdp.bench import peer_torch
+from tfdp.bench import procs
+from tfdp.bench import scaling
+from tfdp.bench import targets
+from tfdp.bench import throughput
+
+CASES = ("scaling", "overhead", "peer_torch", "accumulation", "allreduce", "input_pipeline")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuiteConfig:
+    """Sizes of every case.
+
+    Attributes:
+        quick: whether this is the `--quick` smoke configuration.
+        threads: TensorFlow intra-/inter-op threads (and torch threads) per
+            worker process.
+        per_replica_batch: CNN examples per replica per step.
+        steps_per_execution: N for `tfdp_fit` (`steps_per_execution`),
+            `trainer` (`steps_per_loop`) and `loop_n`.
+        steps: optimizer steps per timed call (throughput and DDP).
+        repeats: timed calls per path per launch.
+        rounds: launches per worker count (alternating 1, 2, 1, 2, ...).
+        paths: training paths timed (see `tfdp.bench.throughput.PATHS`).
+        accum_steps: accumulation values k (1 is the baseline).
+        accum_micro_batch: MLP examples per replica per micro-batch.
+        accum_steps_timed: optimizer steps per timed call, accumulation case.
+        accum_rounds: alternating rounds timing every k, accumulation case.
+        all_reduce_sizes: message sizes, bytes.
+        all_reduce_iterations: calls timed per small message.
+        link_gbytes_per_second: link bandwidth for the ring bound; None measures it.
+        pipeline_flags: flags for `python -m tfdp.bench.input_pipeline_run`.
+        timeout_scale: multiplies every subprocess deadline.
+    """
+
+    quick: bool = False
+    threads: int = 1
+    per_replica_batch: int = 64
+    steps_per_execution: int = 10
+    steps: int = 100
+    repeats: int = 3
+    rounds: int = 2
+    paths: tuple[str, ...] = throughput.PATHS
+    accum_steps: tuple[int, ...] = (1, 4, 8)
+    accum_micro_batch: int = 16
+    accum_steps_timed: int = 20
+    accum_rounds: int = 5
+    all_reduce_sizes: tuple[int, ...] = allreduce.DEFAULT_SIZES
+    all_reduce_iterations: int = 30
+    link_gbytes_per_second: float | None = None
+    pipeline_flags: tuple[tuple[str, int], ...] = (
+        ("num_examples", 2048), ("image_size", 128), ("global_batch", 128),
+        ("epochs", 2), ("repeats", 5),
+    )
+    timeout_scale: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"`threads` must be a positive integer. Received: threads={self.threads!r}")
+        if self.steps % self.steps_per_execution or self.steps < 2 * self.steps_per_execution:
+            raise ValueError(
+                f"`steps` must be a multiple of `steps_per_execution` and at least two "
+                f"executions. Received: steps={self.steps}, "
+                f"steps_per_execution={self.steps_per_execution}"
+            )
+        if 1 not in self.accum_steps:
+            raise ValueError(
+                f"`accum_steps` must include 1, the baseline. Received: {self.accum_steps!r}"
+            )
+        if self.timeout_scale <= 0:
+            raise ValueError(
+                f"`timeout_scale` must be positive. Received: timeout_scale={self.timeout_scale!r}"
+            )
+
+    @classmethod
+    def quick_config(cls, **overrides) -> "SuiteConfig":
+        """The smoke-test sizes: every case, a few steps each (< 3 min on 2 cores)."""
+        values = dict(
+            quick=True, steps=20, repeats=1, rounds=1,
+            paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "trainer", "loop_n",
+                   "loop_n_local", "loop_n_sync", "input"),
+            accum_steps_timed=3, accum_steps=(1, 8), accum_rounds=2, all_reduce_iterations=5,
+            all_reduce_sizes=(4, 40_000, 4_000_000),
+            pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),
+                            ("epochs", 1), ("repeats", 1)),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def timeout(self, seconds: float) -> float:
+        """A subprocess deadline, scaled."""
+        return seconds * self.timeout_scale
+
+
+def _guarded(name: str, function: Callable[[], dict], log: Callable[[str], None]) -> dict:
+    start = time.monotonic()
+    load = machine.load_average()
+    log(f"[tfdp.bench] {name}: running (load average {load})")
+    try:
+        result = function()
+    except (procs.JobFailed, ValueError, KeyError, RuntimeError) as error:
+        log(f"[tfdp.bench] {name}: FAILED after {time.monotonic() - start:.0f} s: {error}")
+        return {"status": "error", "error": str(error),
+                "traceback": traceback.format_exc(limit=5), "load_average_at_start": load}
+    result.setdefault("status", "ok")
+    result["seconds"] = round(time.monotonic() - start, 1)
+    result["load_average_at_start"] = load
+    log(f"[tfdp.bench] {name}: {result['status']} in {result['seconds']:.0f} s"
+        + (f" ({result['reason']})" if result.get("reason") else ""))
+    return result
+
+
+def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dict:
+    """Runs every case and returns the suite's results.
+
+    Args:
+        config: the sizes.
+        log: receives one progress line per case. Defaults to `print`.
+
+    Returns:
+        `{"machine", "config", "cases": {case: result}, "breakdown",
+        "targets", "load_average_at_end", "seconds"}`; every case in `CASES`
+        is present, with `"status"` "ok", "skipped" (and `"reason"`) or
+        "error" (and `"error"`).
+    """
+    start = time.monotonic()
+    results = {"machine": machine.describe(), "config": dataclasses.asdict(config)}
+    cases: dict = {}
+    runs = _guarded("throughput (1 and 2 workers)", lambda: {"runs": throughput.run(
+        workers=(1, 2), paths=config.paths, rounds=config.rounds, threads=config.threads,
+        timeout=config.timeout(600), per_replica_batch=config.per_replica_batch,
+        steps_per_execution=config.steps_per_execution, steps=config.steps,
+        repeats=config.repeats,
+    )}, log)
+    if runs["status"] == "ok":
+        cases["scaling"] = scaling.summarize(runs["runs"])
+        cases["overhead"] = overhead.summarize(runs["runs"])
+        cases["scaling"]["runs"] = runs["runs"]  # every sample, for the record
+        for name in ("scaling", "overhead"):
+            cases[name]["seconds"] = runs["seconds"]
+            cases[name]["load_average_at_start"] = runs["load_average_at_start"]
+    else:
+        cases["scaling"] = cases["overhead"] = runs
+    cases["peer_torch"] = peer_torch.compare(_guarded("peer_torch", lambda: peer_torch.run(
+        workers=(1, 2), per_replica_batch=config.per_replica_batch, steps=config.steps,
+        repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
+    ), log), runs.get("runs"))
+    cases["allreduce"] = _guarded("allreduce", lambda: allreduce.run(
+        nproc=2, sizes=config.all_reduce_sizes, iterations=config.all_reduce_iterations,
+        link_gbytes_per_second=config.link_gbytes_per_second, threads=config.threads,
+        timeout=config.timeout(300),
+    ), log)
+    cases["accumulation"] = _guarded("accumulation", lambda: accumulation.run(
+        accum_steps=config.accum_steps, micro_batch=config.accum_micro_batch,
+        steps=config.accum_steps_timed, repeats=config.repeats, rounds=config.accum_rounds,
+        nproc=2,
+        threads=config.threads, timeout=config.timeout(300),
+    ), log)
+    cases["input_pipeline"] = _guarded("input_pipeline", lambda: input_pipeline.run(
+        **dict(config.pipeline_flags), timeout=config.timeout(300),
+    ), log)
+    results["cases"] = {name: cases[name] for name in CASES}
+    results["breakdown"] = (
+        scaling.breakdown(runs["runs"], cases["allreduce"]) if runs["status"] == "ok" else {}
+    )
+    results["targets"] = targets.check(results["cases"])
+    results["load_average_at_end"] = machine.load_average()
+    results["seconds"] = round(time.monotonic() - start, 1)
+    return results

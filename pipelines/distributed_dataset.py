@@ -1,0 +1,233 @@
+"""`make_dataset`: the input pipeline for `model.fit` and custom loops alike.
+
+This module owns the public entry point and its contract: validating the
+arguments (before anything is read or any collective runs) and handing one
+`pipelines.input_pipeline.InputPipeline` to
+`strategy.distribute_datasets_from_function`. The batch arithmetic is
+`tfdp.BatchConfig`'s; which examples each input pipeline reads, and the step
+count, are decided in `pipelines.sharding`; the sources are in
+`pipelines.source_registry`.
+
+Contract (what every input pipeline guarantees):
+
+- Each pipeline batches at `input_context.get_per_replica_batch_size(
+  global_batch)`; every step consumes exactly one global batch. With
+  `accum_steps = k` the training code later splits each replica's batch into
+  k micro-batches; here we only check divisibility by replicas x k.
+- One epoch visits every example exactly once across all workers and
+  replicas. Training with `drop_remainder` (the training default) drops only
+  what does not fill the last global batch (counted, and logged as a
+  warning); every batch is full, so shapes are static. Evaluation never
+  drops (`drop_remainder=True` with `training=False` is an error).
+- Without `drop_remainder` (the evaluation default) nothing is dropped and
+  nothing is added: a pipeline's last batch is partial, and a pipeline that
+  runs out before the others yields *empty* batches (0 examples) until every
+  pipeline has produced the same number of steps. This is
+  `tf.distribute`'s own partial-batch semantics, made deterministic.
+  Because no example is invented, every Keras metric (`metrics=` and
+  `weighted_metrics=` alike) and the `loss` reported by `evaluate` equal the
+  single-device values: Keras weights each replica's batch by its size.
+  (The alternative, padding with zero-weight examples, would be exact only
+  for `weighted_metrics`.) Layers that compute batch statistics in training
+  (BatchNormalization) should not train on partial or empty batches: keep
+  `drop_remainder=True` for training.
+- Every pipeline produces exactly `steps_per_epoch` steps (enforced with
+  `assert_cardinality`), so every MultiWorkerMirroredStrategy worker runs the
+  same number of steps and none waits forever in a collective. The count is
+  computed from the example counts, known from metadata or counted once.
+
+Element structure: `(features, label)` tuples, as Keras unpacks them.
+`features` may be a tensor or a dict/nest of tensors (for multi-input
+models); every leaf needs a static shape after `preprocess` (the batch
+dimension is static too when `drop_remainder`).
+
+Order within a pipeline: read (its files, or every n-th example) -> cache ->
+shuffle (seeded, reshuffled every epoch) -> take whole steps -> parallel
+preprocess -> batch -> empty batches up to the step count -> prefetch (on the
+host; which strategies then copy batches to the devices ahead of the step is
+noted in `pipelines.input_pipeline`).
+
+Steps per epoch: the returned dataset's `cardinality` is `steps_per_epoch`,
+the number of global batches, in every configuration; Keras takes it as the
+steps per epoch (progress bar, end of epoch). With a MirroredStrategy each
+replica gets its own pipeline (`InputReplicationMode.PER_REPLICA`). A
+MultiWorkerMirroredStrategy worker with several GPUs has one pipeline feeding
+all of them, for which `tf.distribute` reports replicas x steps;
+`pipelines._upstream.set_global_steps` corrects that (otherwise the progress
+bar is wrong and every epoch ends with "Your input ran out of data").
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+import tfdp
+from tfdp.pipelines import _upstream
+from tfdp.pipelines import input_pipeline as pipeline_lib
+from tfdp.pipelines import sharding
+from tfdp.pipelines import source_registry as sources_lib
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
+
+
+def make_dataset(
+    source,
+    *,
+    split: str = "train",
+    strategy: tf.distribute.Strategy,
+    global_batch: int,
+    accum_steps: int = 1,
+    training: bool = True,
+    shuffle: bool = True,
+    seed: int | None = None,
+    data_dir: str | None = None,
+    shard_policy: str = "auto",
+    drop_remainder: bool | None = None,
+    cache: bool | str = False,
+    preprocess: Callable | None = None,
+):
+    """Builds the input pipeline for `model.fit`/`evaluate` or a custom loop.
+
+    Every replica gets its own slice of each global batch, every example is
+    seen once per epoch across all workers, and every worker runs the same
+    number of steps (see the module docstring for how).
+
+    Args:
+        source: a source name (`"digits"`, `"synthetic_images"`,
+            `"synthetic_tokens"`, any TFDS name such as `"mnist"`), a
+            `tf.data.Dataset` of unbatched `(features, label)` examples, a
+            callable `input_context -> tf.data.Dataset` of them, or a
+            `pipelines.Source`.
+        split: the split of a named source, e.g. `"test"` or `"train[:90%]"`.
+            Defaults to `"train"`.
+        strategy: the `tf.distribute.Strategy` the dataset is for
+            (`tf.distribute.get_strategy()` for none).
+        global_batch: examples per step, all replicas together; a multiple of
+            `num_replicas_in_sync * accum_steps`.
+        accum_steps: micro-batches per replica per optimizer step (gradient
+            accumulation is done by the training code). Defaults to 1.
+        training: training (shuffled, remainder dropped by default) or
+            evaluation (in order, never dropped). Defaults to True.
+        shuffle: shuffle examples (and files) every epoch; only when
+            `training`. Defaults to True.
+        seed: makes shuffling and random preprocessing reproducible (still
+            different every epoch). Defaults to `None` (nondeterministic,
+            slightly faster).
+        data_dir: TFDS data directory for named sources. Defaults to TFDS's
+            default, and for `"digits"` to `$TFDP_DATA_DIR` or
+            `~/tensorflow_datasets` (generated there on first use).
+        shard_policy: `"auto"` (default), `"file"`, `"data"` or `"off"`; see
+            `pipelines.sharding`.
+        drop_remainder: drop the final partial global batch (training only:
+            evaluation never drops). Defaults to `training`. When False, the
+            last batches of an epoch are partial or empty (see the module
+            docstring). When examples are dropped, their count is logged as a
+            warning.
+        cache: cache source examples after the first epoch: `True` in memory,
+            or a file path prefix. Defaults to False.
+        preprocess: callable `(features, label) -> (features, label)` applied
+            per example in a parallel map (see `pipelines.preprocess`).
+
+    Returns:
+        A `tf.distribute.DistributedDataset` (a `tf.data.Dataset` under the
+        default strategy) with attributes `pipeline_info` (a `pipelines.PipelineInfo`),
+        `steps_per_epoch` and `num_examples`. Its `cardinality` is
+        `steps_per_epoch` (infinite for an endless source).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: unknown source name, missing `data_dir`, dataset not
+            prepared, `global_batch` not divisible by replicas x
+            `accum_steps`, a training split smaller than one global batch,
+            examples that are not `(features, label)` tuples of statically
+            shaped tensors, an invalid `shard_policy`, or `drop_remainder=True`
+            with `training=False`.
+
+    Example:
+
+    >>> strategy = tfdp.make_strategy("mirrored", cpu_replicas=2)  # doctest: +SKIP
+    >>> train = pipelines.make_dataset(                            # doctest: +SKIP
+    ...     "digits", strategy=strategy, global_batch=64, seed=0,
+    ...     preprocess=pipelines.normalize_images())
+    >>> model.fit(train, epochs=5)                                  # doctest: +SKIP
+    """
+    if not isinstance(strategy, tf.distribute.Strategy):
+        raise TypeError(
+            "`strategy` must be a tf.distribute.Strategy (use "
+            "tf.distribute.get_strategy() for the default one, or "
+            f"tfdp.make_strategy()). Received: strategy={strategy!r}"
+        )
+    if not isinstance(split, str):
+        raise TypeError(f"`split` must be a string. Received: split={split!r}")
+    _check_bool("training", training)
+    _check_bool("shuffle", shuffle)
+    if drop_remainder is not None:
+        _check_bool("drop_remainder", drop_remainder)
+    if drop_remainder and not training:
+        raise ValueError(
+            "Evaluation never drops examples, but `drop_remainder=True` was passed "
+            "with `training=False`: the final partial global batch would be left out "
+            "of the metrics. Remove `drop_remainder` (evaluation keeps partial and "
+            "empty batches, so its metrics equal single-device ones), or pass "
+            "`training=True` if this dataset is for training. Received: "
+            "training=False, drop_remainder=True"
+        )
+    if seed is not None:
+        _check_int("seed", seed, minimum=0)
+    if shard_policy not in sharding.POLICIES:
+        raise ValueError(
+            f"`shard_policy` must be one of {', '.join(map(repr, sharding.POLICIES))}. "
+            f"Received: shard_policy={shard_policy!r}"
+        )
+    if not isinstance(cache, (bool, str)) or cache == "":
+        raise TypeError(
+            "`cache` must be True/False or a non-empty file path prefix. "
+            f"Received: cache={cache!r}"
+        )
+    if preprocess is not None and not callable(preprocess):
+        raise TypeError(
+            "`preprocess` must be a callable (features, label) -> (features, "
+            f"label) or None. Received: preprocess={preprocess!r}"
+        )
+    tfdp.BatchConfig.from_global(
+        global_batch, num_replicas=strategy.num_replicas_in_sync, accum_steps=accum_steps
+    )
+    resolved = sources_lib.get_source(source, split=split, data_dir=data_dir)
+    resolved.check_split(split)
+    pipeline = pipeline_lib.InputPipeline(
+        source=resolved,
+        split=split,
+        global_batch=global_batch,
+        accum_steps=accum_steps,
+        training=training,
+        shuffle=shuffle,
+        seed=seed,
+        shard_policy=shard_policy,
+        drop_remainder=training if drop_remainder is None else drop_remainder,
+        cache=cache,
+        preprocess=preprocess,
+    )
+    options = None
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        # One pipeline per replica: each reads and preprocesses in parallel
+        # with the others, and the cardinality is right without correction.
+        options = tf.distribute.InputOptions(
+            experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA
+        )
+    dataset = strategy.distribute_datasets_from_function(pipeline, options)
+    info = pipeline.last_info
+    _upstream.set_global_steps(dataset, info.steps_per_epoch)
+    dataset.pipeline_info = info
+    dataset.steps_per_epoch = info.steps_per_epoch
+    dataset.num_examples = info.num_examples
+    return dataset

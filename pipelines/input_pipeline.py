@@ -1,0 +1,419 @@
+"""One input pipeline's `tf.data` graph, and the record of what it delivers.
+
+This module owns `InputPipeline`, the `dataset_fn` that
+`strategy.distribute_datasets_from_function` calls with each input
+pipeline's `tf.distribute.InputContext`, and `PipelineInfo`, the step and
+example accounting a training loop reads. The guarantees it implements
+(exactly once per epoch, equal step counts everywhere, partial and empty
+final batches instead of padding) are stated in `pipelines.distributed_dataset`, which also
+validates the user's arguments; which examples a pipeline reads is decided
+in `pipelines.sharding`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import tensorflow as tf
+from absl import logging
+
+import tfdp
+from tfdp.pipelines import sharding
+from tfdp.pipelines import source as source_lib
+
+#: Largest shuffle buffer, in examples, per input pipeline.
+SHUFFLE_BUFFER = 10_000
+
+#: (source, split, global batch, dropped) already warned about in this process.
+_DROP_WARNINGS_GIVEN: set = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineInfo:
+    """What a training loop needs to know about a dataset from `make_dataset`.
+
+    Available as `dataset.pipeline_info` (and `dataset.steps_per_epoch`,
+    `dataset.num_examples`).
+
+    Attributes:
+        source: the source's name.
+        split: the split read.
+        training: whether built for training.
+        num_examples: examples in the split (`pipelines.INFINITE` if endless).
+        num_classes: label classes when the source knows them, else `None`.
+        steps_per_epoch: global steps per epoch, the same on every worker;
+            `None` for an endless source.
+        batch: the batch arithmetic, a `tfdp.BatchConfig` (`global_batch`,
+            `num_replicas`, `accum_steps`, and `per_replica`, the
+            micro-batch); also as the properties below.
+        num_input_pipelines: input pipelines (workers, or replicas with a
+            MirroredStrategy).
+        shard_mode: how the split is divided (see `pipelines.sharding`).
+        shard_reason: why.
+        pipeline_sizes: examples each input pipeline reads per epoch.
+        examples_per_epoch: real examples seen per epoch.
+        dropped_per_epoch: examples dropped per epoch (the final partial
+            global batch), 0 unless `drop_remainder`.
+        partial_batches_per_epoch: per-replica batches per epoch, over all
+            pipelines, with fewer than `per_replica_batch` examples (some
+            possibly empty); 0 when `drop_remainder`.
+        element_spec: one unbatched `(features, label)` example after
+            `preprocess`.
+    """
+
+    source: str
+    split: str
+    training: bool
+    num_examples: int
+    num_classes: int | None
+    steps_per_epoch: int | None
+    batch: tfdp.BatchConfig
+    num_input_pipelines: int
+    shard_mode: str
+    shard_reason: str
+    pipeline_sizes: tuple[int, ...]
+    examples_per_epoch: int | None
+    dropped_per_epoch: int
+    partial_batches_per_epoch: int
+    element_spec: Any
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per step, all replicas together."""
+        return self.batch.global_batch
+
+    @property
+    def per_replica_batch(self) -> int:
+        """Examples each replica receives per step (what a pipeline batches at)."""
+        return self.batch.replica_batch
+
+    @property
+    def micro_batch(self) -> int:
+        """`per_replica_batch // accum_steps`."""
+        return self.batch.per_replica
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per replica per optimizer step."""
+        return self.batch.accum_steps
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync."""
+        return self.batch.num_replicas
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        batch = (
+            f"global batch {self.global_batch} = {self.num_replicas} replica(s) x "
+            f"{self.per_replica_batch}"
+            + (
+                f" (= {self.accum_steps} micro-batches of {self.micro_batch})"
+                if self.accum_steps > 1
+                else ""
+            )
+        )
+        if self.steps_per_epoch is None:
+            epoch = "endless source"
+        else:
+            epoch = f"{self.steps_per_epoch} steps/epoch"
+            if self.dropped_per_epoch:
+                epoch += (
+                    f", {self.dropped_per_epoch} example(s) dropped per epoch "
+                    f"(final partial global batch)"
+                )
+            if self.partial_batches_per_epoch:
+                epoch += (
+                    f", {self.partial_batches_per_epoch} partial or empty "
+                    f"per-replica batch(es) per epoch"
+                )
+        return (
+            f"{self.source}/{self.split}: {self.num_examples} examples, {batch}; "
+            f"{epoch}; {self.num_input_pipelines} input pipeline(s), shard "
+            f"{self.shard_mode} ({self.shard_reason})"
+        )
+
+
+def _empty_batch(spec: tf.TensorSpec) -> tf.Tensor:
+    """A batch of 0 examples of `spec`."""
+    shape = [0, *spec.shape.as_list()]
+    if spec.dtype == tf.string:
+        return tf.fill(shape, "")
+    return tf.zeros(shape, spec.dtype)
+
+
+def _check_element_spec(spec, where: str, *, check_shapes: bool) -> None:
+    """Raises unless examples are (features, label) of statically shaped tensors."""
+    if not isinstance(spec, tuple) or len(spec) != 2:
+        raise ValueError(
+            f"Each example from {where!r} must be a (features, label) tuple "
+            f"(unbatched). Received: element_spec={spec!r}. Map it into one, "
+            f"e.g. dataset.map(lambda d: (d['image'], d['label']))."
+        )
+    if not check_shapes:
+        return
+    for leaf in tf.nest.flatten(spec):
+        if not isinstance(leaf, tf.TensorSpec):
+            raise ValueError(
+                f"Examples from {where!r} must be dense tensors. "
+                f"Received a {type(leaf).__name__} in element_spec={spec!r}. "
+                f"Convert it in `preprocess` (e.g. pipelines.pad_tokens for "
+                f"token sequences)."
+            )
+        if not leaf.shape.is_fully_defined():
+            raise ValueError(
+                f"Every tensor of an example must have a static shape to be "
+                f"batched, but {where!r} gives element_spec="
+                f"{spec!r}. Give them one in `preprocess`: "
+                f"pipelines.pad_tokens(length=...) for token sequences, "
+                f"pipelines.decode_image(shape=...) or tf.image.resize for "
+                f"images, or tf.ensure_shape."
+            )
+
+
+class InputPipeline:
+    """The `dataset_fn` of `distribute_datasets_from_function`: builds one
+    input pipeline's dataset from an `input_context`.
+
+    All pipelines (in this process and in every other worker) make the same
+    plan from the same metadata, so they agree on `steps_per_epoch` without
+    communicating. Arguments are as for `make_dataset`, with `source` a
+    `pipelines.Source` and `drop_remainder` resolved to a bool.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: source_lib.Source,
+        split: str,
+        global_batch: int,
+        accum_steps: int,
+        training: bool,
+        shuffle: bool,
+        seed: int | None,
+        shard_policy: str,
+        drop_remainder: bool,
+        cache: bool | str,
+        preprocess: Callable | None,
+    ):
+        self.source = source
+        self.split = split
+        self.global_batch = global_batch
+        self.accum_steps = accum_steps
+        self.training = training
+        self.shuffle = shuffle and training
+        self.seed = seed
+        self.shard_policy = shard_policy
+        self.drop_remainder = drop_remainder
+        self.cache = cache
+        self.preprocess = preprocess
+        # Order matters only when asked for (a seed) or for evaluation.
+        self.deterministic = seed is not None or not training
+        self._plans: dict[tuple[int, int], tuple[sharding.ShardPlan, PipelineInfo]] = {}
+        self.last_info: PipelineInfo | None = None
+
+    # -- planning ---------------------------------------------------------
+
+    def _element_spec(self):
+        dataset = self.source.read(self.split)
+        _check_element_spec(dataset.element_spec, self.source.name, check_shapes=False)
+        if self.preprocess is not None:
+            dataset = self._apply_preprocess(dataset, None)
+            _check_element_spec(dataset.element_spec, "preprocess", check_shapes=False)
+        _check_element_spec(dataset.element_spec, self.source.name, check_shapes=True)
+        return dataset.element_spec
+
+    def plan(self, num_pipelines: int, num_replicas: int):
+        """The shard plan and `PipelineInfo` for this many pipelines/replicas."""
+        key = (num_pipelines, num_replicas)
+        if key in self._plans:
+            return self._plans[key]
+        batch = tfdp.BatchConfig.from_global(
+            self.global_batch, num_replicas=num_replicas, accum_steps=self.accum_steps
+        )
+        per_replica = batch.replica_batch
+        examples_per_step = self.global_batch // num_pipelines
+        element_spec = self._element_spec()
+        total = self.source.num_examples(self.split)
+        if total == 0:
+            raise ValueError(f"Source {self.source.name!r} split {self.split!r} has no examples.")
+        if total == source_lib.INFINITE and not self.training:
+            raise ValueError(
+                f"Evaluation needs a finite dataset, but source "
+                f"{self.source.name!r} is endless. Pass a finite dataset, or "
+                f"dataset.take(n)."
+            )
+        context_sizes = None
+        if num_pipelines > 1 and self.shard_policy != "data":
+            context_sizes = self.source.context_shard_sizes(self.split, num_pipelines)
+        plan = sharding.plan_sharding(
+            self.shard_policy,
+            num_pipelines=num_pipelines,
+            total=total,
+            context_sizes=context_sizes,
+            shards_by_file=self.source.shards_by_file,
+            num_files=self.source.num_files(self.split),
+            examples_per_step=examples_per_step,
+            drop_remainder=self.drop_remainder,
+            source_name=self.source.name,
+        )
+        steps = sharding.steps_per_epoch(
+            plan.sizes, examples_per_step=examples_per_step, drop_remainder=self.drop_remainder
+        )
+        if steps == 0:
+            raise ValueError(
+                f"Source {self.source.name!r} split {self.split!r} has {total} "
+                f"examples, fewer than one global batch of {self.global_batch}"
+                + (
+                    f" (each of {num_pipelines} input pipelines needs "
+                    f"{examples_per_step} but they get {list(plan.sizes)})"
+                    if num_pipelines > 1
+                    else ""
+                )
+                + ", so a training epoch would be empty. Lower `global_batch`, "
+                "or pass drop_remainder=False to keep the partial batch."
+            )
+        seen = None if steps is None else sum(
+            min(size, steps * examples_per_step) for size in plan.sizes
+        )
+        partial = 0 if steps is None or self.drop_remainder else sum(
+            steps * (num_replicas // num_pipelines) - size // per_replica
+            for size in plan.sizes
+        )
+        info = PipelineInfo(
+            source=self.source.name,
+            split=self.split,
+            training=self.training,
+            num_examples=total,
+            num_classes=self.source.num_classes(),
+            steps_per_epoch=steps,
+            batch=batch,
+            num_input_pipelines=num_pipelines,
+            shard_mode=plan.mode,
+            shard_reason=plan.reason,
+            pipeline_sizes=plan.sizes,
+            examples_per_epoch=seen,
+            dropped_per_epoch=0 if seen is None else max(total - seen, 0),
+            partial_batches_per_epoch=partial,
+            element_spec=element_spec,
+        )
+        if plan.mode == "off" and num_pipelines > 1:
+            logging.warning(
+                "pipelines: shard_policy='off' with %d input pipelines: every "
+                "example is seen %d times per epoch.",
+                num_pipelines,
+                num_pipelines,
+            )
+        self._plans[key] = (plan, info)
+        return plan, info
+
+    # -- building ---------------------------------------------------------
+
+    def _apply_preprocess(self, dataset: tf.data.Dataset, seed: int | None) -> tf.data.Dataset:
+        fn = self.preprocess
+        if getattr(fn, "needs_seed", False):
+            # One stateless seed per example: reproducible under a parallel
+            # map, and new every epoch.
+            seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+            return tf.data.Dataset.zip((dataset, seeds)).map(
+                lambda example, example_seed: fn(*example, example_seed),
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=self.deterministic,
+            )
+        return dataset.map(
+            fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self.deterministic
+        )
+
+    @staticmethod
+    def _empty_batches(dataset: tf.data.Dataset, count: int) -> tf.data.Dataset:
+        """`count` batches of 0 examples with `dataset`'s element spec."""
+        empty = tf.nest.map_structure(_empty_batch, dataset.element_spec)
+        return tf.data.Dataset.from_tensors(empty).repeat(count)
+
+    def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        num_pipelines = input_context.num_input_pipelines
+        index = input_context.input_pipeline_id
+        num_replicas = input_context.num_replicas_in_sync
+        plan, info = self.plan(num_pipelines, num_replicas)
+        self.last_info = info
+        if index == 0:  # Once per dataset build, on the first worker only.
+            logging.info("pipelines: %s", info.describe())
+            warning_key = (info.source, info.split, info.global_batch, info.dropped_per_epoch)
+            if info.dropped_per_epoch and warning_key not in _DROP_WARNINGS_GIVEN:
+                # Once per process: a training loop rebuilds the dataset each epoch.
+                _DROP_WARNINGS_GIVEN.add(warning_key)
+                logging.warning(
+                    "pipelines: %s/%s: drop_remainder drops %d of %d examples every "
+                    "epoch (they do not fill a last global batch of %d across %d "
+                    "input pipeline(s)). Pass drop_remainder=False to train on them "
+                    "in partial batches, or pick a global batch that divides the "
+                    "split.",
+                    info.source, info.split, info.dropped_per_epoch, info.num_examples,
+                    info.global_batch, info.num_input_pipelines,
+                )
+        per_replica = input_context.get_per_replica_batch_size(self.global_batch)
+        replicas_fed = num_replicas // num_pipelines
+        examples_per_step = per_replica * replicas_fed
+        size = plan.sizes[index]
+        steps = info.steps_per_epoch
+        # Seeds differ per pipeline so pipelines do not shuffle in lockstep.
+        seed = None if self.seed is None else self.seed + 1_000_003 * index
+
+        dataset = self.source.read(
+            self.split,
+            input_context=input_context if plan.reads_with_context else None,
+            # Element sharding needs one read order in every process.
+            shuffle_files=self.shuffle and plan.mode != "data",
+            seed=seed,
+        )
+        if plan.mode == "data":
+            dataset = dataset.shard(num_pipelines, index)
+        if self.cache:
+            dataset = dataset.cache(
+                "" if self.cache is True
+                else f"{self.cache}-{self.split}-{index}-of-{num_pipelines}"
+            )
+        if self.shuffle:
+            buffer = SHUFFLE_BUFFER if size == source_lib.INFINITE else min(size, SHUFFLE_BUFFER)
+            dataset = dataset.shuffle(max(buffer, 1), seed=seed, reshuffle_each_iteration=True)
+        if steps is not None and self.drop_remainder:
+            dataset = dataset.take(steps * examples_per_step)
+        if self.preprocess is not None:
+            dataset = self._apply_preprocess(dataset, seed)
+        unbatched = dataset
+        dataset = dataset.batch(
+            per_replica,
+            drop_remainder=self.drop_remainder or steps is None,
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=self.deterministic,
+        )
+        if steps is not None and not self.drop_remainder:
+            batches = -(-size // per_replica)
+            dataset = dataset.concatenate(
+                self._empty_batches(unbatched, steps * replicas_fed - batches)
+            )
+        if steps is not None:
+            # Turns a miscount (a source whose metadata lies) into an error at
+            # the end of the epoch instead of a hang in a collective.
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps * replicas_fed))
+        # Prefetch on the host. Under MirroredStrategy, OneDeviceStrategy and
+        # MultiWorkerMirroredStrategy, tf.distribute's iterator then copies
+        # each replica's batch to its device ahead of the step (a
+        # MultiDeviceIterator whenever InputOptions.experimental_fetch_to_device,
+        # True by default: `_should_use_multi_device_iterator` in
+        # tensorflow/python/distribute/input_lib.py). Under the default
+        # strategy on a GPU nothing does, but tf.data.experimental.
+        # prefetch_to_device does not fit model.fit: it must be the last
+        # transformation and makes the cardinality unknown, so Keras no longer
+        # knows the steps per epoch and warns "Your input ran out of data"
+        # every epoch (tests/pipelines/test_upstream.py). For one GPU, use
+        # tf.distribute.OneDeviceStrategy("/gpu:0") (tfdp.make_strategy(
+        # "one_device")) to get the device prefetch.
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+        options = tf.data.Options()
+        # This function shards; tf.distribute must not shard again.
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF
+        )
+        return dataset.with_options(options)

@@ -1,0 +1,108 @@
+"""tfdp.app.experiment.train_and_evaluate, in-process, on the offline digits data."""
+
+import dataclasses
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.app import experiment
+from tfdp.app import train as train_cli
+from tfdp.app.run_config import ConfigError, RunConfig
+
+
+def _small_model(name, *, input_shape, num_classes):
+    assert name == "tiny"
+    return keras.Sequential(
+        [keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(num_classes)]
+    )
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("digits_data"))
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_run_writes_a_summary_the_chief_owns(tmp_path, digits_dir, loop):
+    config = RunConfig(
+        model="tiny", dataset="digits", data_dir=digits_dir, epochs=2, steps_per_epoch=5,
+        cpu_replicas=2, global_batch=32, accum_steps=2, loop=loop, steps_per_loop=2,
+        model_dir=str(tmp_path / "run"), optimizer="momentum", base_lr=0.05, warmup_steps=2,
+    )
+    summary = experiment.train_and_evaluate(
+        config, build_dataset=train_cli._build_dataset(config), build_model=_small_model
+    )
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["steps"] == summary["steps"] == 10
+    assert on_disk["batch"] == {"per_replica": 8, "replicas": 2, "accum_steps": 2, "global": 32}
+    assert on_disk["strategy"]["num_replicas_in_sync"] == 2
+    assert set(on_disk["train"]) >= {"loss", "accuracy"}
+    assert set(on_disk["eval"]) >= {"loss", "accuracy"}
+    assert 0.0 <= on_disk["eval"]["accuracy"] <= 1.0
+    assert on_disk["examples_per_second"] > 0 and on_disk["wall_time_seconds"] > 0
+    assert on_disk["config"]["loop"] == loop
+
+
+def test_steps_per_epoch_beyond_the_data_is_refused(digits_dir):
+    config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
+                       steps_per_epoch=1000, eval=False)
+    with pytest.raises(ConfigError, match="--steps_per_epoch=1000 exceeds the 22 global batches"):
+        experiment.train_and_evaluate(config, build_dataset=train_cli._build_dataset(config),
+                                      build_model=_small_model)
+
+
+class _Interrupted(Exception):
+    """Stands for a crash between two epochs."""
+
+
+def _run(config, *, crash_at_epoch=None):
+    """Runs `config`; returns (summary, trained model). May raise `_Interrupted`."""
+    built = {}
+    build_dataset = train_cli._build_dataset(config)
+
+    def dataset(split, *, seed, **kwargs):
+        if crash_at_epoch is not None and seed == experiment.epoch_seed(config.seed,
+                                                                        crash_at_epoch):
+            raise _Interrupted()
+        return build_dataset(split, seed=seed, **kwargs)
+
+    def model(name, **kwargs):
+        built["model"] = _small_model(name, **kwargs)
+        return built["model"]
+
+    summary = experiment.train_and_evaluate(config, build_dataset=dataset, build_model=model)
+    return summary, built["model"]
+
+
+def test_fit_loop_resumes_from_its_backup_like_an_uninterrupted_run(tmp_path, digits_dir):
+    options = dict(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
+                   epochs=3, steps_per_epoch=4, steps_per_loop=2, checkpoint_every=2,
+                   eval=False, loop="fit")
+    _, reference = _run(RunConfig(**options, model_dir=str(tmp_path / "straight")))
+
+    run_dir = tmp_path / "resumed"
+    config = RunConfig(**options, model_dir=str(run_dir))
+    with pytest.raises(_Interrupted):
+        _run(config, crash_at_epoch=2)  # after epoch 1's backup, before epoch 2
+    assert (run_dir / "backup").is_dir() and not (run_dir / "checkpoint").exists()
+    summary, resumed = _run(config)
+    assert summary["steps"] == 12
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    assert not (run_dir / "backup").exists()  # removed once training completed
+    assert tf.train.latest_checkpoint(str(run_dir)).endswith("ckpt-12")
+
+
+def test_fit_loop_reruns_a_finished_run_without_training_it_again(tmp_path, digits_dir):
+    config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
+                       epochs=1, steps_per_epoch=2, model_dir=str(tmp_path))
+    first, _ = _run(config)
+    again, _ = _run(config)
+    assert again["steps"] == first["steps"] == 2
+    assert again["eval"] == pytest.approx(first["eval"])
+    longer = dataclasses.replace(config, epochs=2)
+    with pytest.raises(ConfigError, match="holds a finished --loop=fit run of 2 steps"):
+        _run(longer)

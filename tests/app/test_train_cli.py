@@ -1,0 +1,70 @@
+"""The tfdp-train command line: flag errors exit 2 with one line, before training."""
+
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from tfdp.app import train as train_cli
+
+
+@pytest.fixture
+def parse_flags():
+    def parse(*argv):
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["tfdp-train", *argv])
+
+    yield parse
+    flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--global_batch=64", "--per_replica_batch=32"], "Pass at most one of --global_batch"),
+        (["--accum_steps=0"], "--accum_steps must be an integer >= 1"),
+        (["--model=alexnet"], "--model must be one of"),
+        (["--dataset=not_a_dataset_at_all"], "--dataset:"),
+        (["--cpu_replicas=2", "--global_batch=63"], "--global_batch: "),
+        (["--checkpoint_every=5"], "--checkpoint_every needs --model_dir"),
+        (["--warmup_epochs=1", "--warmup_steps=3"], "at most one of --warmup_epochs"),
+        (["--collective_timeout=0"], "--collective_timeout must be a positive number"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):
+    parse_flags(*argv)
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(["tfdp-train"])
+    assert exit_info.value.code == 2
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err_lines) == 1, err_lines
+    assert err_lines[0].startswith("tfdp-train: error: ") and message in err_lines[0]
+
+
+def test_flags_map_onto_run_config(parse_flags):
+    parse_flags("--model=mlp", "--per_replica_batch=16", "--accum_steps=2", "--optimizer=lars",
+                "--loop=custom", "--warmup_epochs=0.5", "--cpu_replicas=2",
+                "--all_reduce_dtype=bfloat16")
+    config = train_cli.config_from_flags()
+    assert config.all_reduce_dtype == "bfloat16"
+    assert (config.model, config.per_replica_batch, config.global_batch) == ("mlp", 16, None)
+    assert (config.accum_steps, config.optimizer, config.loop) == (2, "lars", "custom")
+    assert (config.warmup_epochs, config.cpu_replicas) == (0.5, 2)
+
+
+def test_console_script_rejects_contradictory_flags():
+    result = subprocess.run(
+        ["tfdp-train", "--global_batch=64", "--per_replica_batch=8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "tfdp-train: error: Pass at most one of --global_batch" in result.stderr
+
+
+def test_helpfull_lists_the_flags():
+    result = subprocess.run([sys.executable, "-m", "tfdp.app.train", "--helpfull"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1  # absl's --helpfull prints the flags, then exits 1
+    for flag in ("--accum_steps", "--global_batch", "--loop", "--lr_scaling", "--flagfile"):
+        assert flag in result.stdout

@@ -1,0 +1,61 @@
+"""The README's main command, end to end: two workers through `launch`, no network.
+
+`tfdp-launch --nproc_per_node 2 -- tfdp-train --dataset=digits --model=cnn
+--model_dir=DIR` must reach >= 0.95 test accuracy with either loop, and so must
+the large-batch variant (LARS, a 4x larger global batch, linear LR scaling and
+warmup). Each run starts two TensorFlow workers and trains for real, so these
+are the suite's slowest tests; they still run in CI.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from multiworker import run_launch
+
+#: The accuracy the README promises for the main command.
+TARGET_ACCURACY = 0.95
+#: Seconds one two-worker run may take before it counts as hung.
+RUN_TIMEOUT = 420.0
+
+
+def _tfdp_train(tmp_path, data_dir, *flags):
+    model_dir = tmp_path / "run"
+    command = [shutil.which("tfdp-train"), "--dataset=digits", "--model=cnn",
+               f"--model_dir={model_dir}", f"--data_dir={data_dir}", *flags]
+    result = run_launch(command, nproc=2, timeout=RUN_TIMEOUT, cwd=tmp_path, check=True)
+    summary = json.loads((model_dir / "summary.json").read_text())
+    return result, summary
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    # One prepared copy of digits for every run in this module.
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_main_command_reaches_target_accuracy_on_two_workers(tmp_path, data_dir, loop):
+    result, summary = _tfdp_train(tmp_path, data_dir, f"--loop={loop}")
+    assert summary["eval"]["accuracy"] >= TARGET_ACCURACY, result.describe()
+    assert summary["strategy"]["num_workers"] == 2
+    assert summary["batch"] == {"per_replica": 32, "replicas": 2, "accum_steps": 1,
+                                "global": 64}
+    assert summary["steps"] == summary["config"]["epochs"] * summary["steps_per_epoch"]
+    # Only the chief prints progress and results; worker 1 stays quiet.
+    assert any("tfdp-train: eval" in line for line in result.worker_stdout(0))
+    assert not [line for line in result.worker_stdout(1) if line.strip()], result.describe()
+
+
+@pytest.mark.slow
+def test_large_batch_lars_with_linear_scaling_and_warmup(tmp_path, data_dir):
+    result, summary = _tfdp_train(
+        tmp_path, data_dir, "--optimizer=lars", "--global_batch=256", "--base_batch=64",
+        "--base_lr=1.0", "--lr_scaling=linear", "--warmup_epochs=2", "--epochs=30",
+        "--loop=custom",
+    )
+    assert summary["eval"]["accuracy"] >= TARGET_ACCURACY, result.describe()
+    assert summary["batch"]["global"] == 256
+    assert summary["learning_rate"] == pytest.approx(1.0 * 256 / 64)

@@ -1,0 +1,41 @@
+"""Tests for `tfdp.bench.input_pipeline_run` (plumbing only: timings are never asserted)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tfdp.bench import input_pipeline_run as bench
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_both_pipelines_see_the_same_examples_and_report_throughput():
+    result = bench.run_benchmark(
+        num_examples=64, image_size=16, global_batch=16, epochs=1, repeats=1
+    )
+    assert result.examples == 64
+    assert result.naive > 0 and result.pipelined > 0
+    assert result.ratio == result.pipelined / result.naive
+    lines = result.describe().splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "naive pipeline", "make_dataset pipeline", "speed-up"
+    ]
+
+
+def test_naive_pipeline_has_no_parallelism_or_prefetch():
+    source = bench.synthetic.SyntheticImages(num_examples=8, image_shape=(8, 8, 3), encoding="jpeg")
+    preprocess = bench.preprocess_lib.decode_image(channels=3, shape=(8, 8))
+    dataset = bench.naive_dataset(source, lambda x, y, seed: preprocess(x, y), 4)
+    options = dataset.options()
+    assert options.autotune.enabled is False
+    assert options.experimental_optimization.map_parallelization is False
+    assert options.experimental_optimization.inject_prefetch is False
+
+
+def test_command_line_rejects_a_batch_larger_than_the_data():
+    completed = subprocess.run(
+        [sys.executable, "-m", "tfdp.bench.input_pipeline_run", "--num_examples=8", "--global_batch=16"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode != 0
+    assert "--global_batch (16) must not exceed --num_examples (8)" in completed.stderr

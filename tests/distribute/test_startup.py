@@ -1,0 +1,456 @@
+"""Tests for tfdp.distribute.startup: failures between workers, found early and named.
+
+Fast tests check the messages, the timeout's sources and the configuration
+digest in this process. The slow ones start real workers: a peer that never
+starts, a port already taken, a stuck or stopped peer under a collective
+timeout, and workers launched with different configurations; each asserts
+the exit status, the time to fail and what the message names.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import tensorflow as tf
+
+import tfdp
+from multiworker import REPO_ROOT, run_launch, run_worker_script
+from tfdp.distribute import cluster as cluster_lib
+from tfdp.app import run_config
+from tfdp.distribute import startup
+
+
+def _config(index=0, ports=(2222, 2223), job="worker"):
+    return cluster_lib.ClusterConfig(
+        cluster={job: [f"127.0.0.1:{p}" for p in ports]}, task_type=job, task_index=index)
+
+
+# --- the start-up timeout ------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argument, environ, expected",
+    [
+        (None, {}, startup.DEFAULT_STARTUP_TIMEOUT),
+        (None, {"TFDP_STARTUP_TIMEOUT": " "}, startup.DEFAULT_STARTUP_TIMEOUT),
+        (None, {"TFDP_STARTUP_TIMEOUT": "7.5"}, 7.5),
+        (3, {"TFDP_STARTUP_TIMEOUT": "7.5"}, 3.0),  # the argument wins
+    ],
+)
+def test_startup_timeout_comes_from_the_argument_then_the_environment(argument, environ,
+                                                                      expected):
+    assert startup.resolve_startup_timeout(argument, environ=environ) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_startup_timeout_variable_is_named(value):
+    with pytest.raises(ValueError, match=f"TFDP_STARTUP_TIMEOUT must be a positive.*"
+                                         f"Received: TFDP_STARTUP_TIMEOUT='{value}'"):
+        startup.resolve_startup_timeout(environ={"TFDP_STARTUP_TIMEOUT": value})
+
+
+@pytest.mark.parametrize("value", [0, -2, float("inf"), True, "5"])
+def test_a_bad_startup_timeout_argument_is_named(value):
+    with pytest.raises(ValueError, match="`startup_timeout` must be a positive"):
+        startup.resolve_startup_timeout(value, environ={})
+
+
+# --- this worker's port ---------------------------------------------------------
+
+def test_own_port_in_use_is_refused_naming_the_port_and_the_fix():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))  # taken on loopback only: TF binds all interfaces
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(startup.StartupError) as error:
+            startup.check_own_port(_config(1, ports=(1234, port)))
+    message = str(error.value)
+    assert f"port {port}" in message and f"worker 1 (127.0.0.1:{port})" in message
+    assert "in use" in message and "--port" in message
+
+
+def test_a_free_own_port_passes():
+    port = cluster_lib.free_ports(1)[0]
+    startup.check_own_port(_config(0, ports=(port, 1234)))
+
+
+def test_this_host_named_twice_under_two_names_fails_on_the_second_worker():
+    # tfdp.distribute.cluster refuses a repeated address but resolves no names: the
+    # worker that starts second finds its port taken and says so.
+    with socket.socket() as first_worker:
+        first_worker.bind(("0.0.0.0", 0))
+        first_worker.listen()
+        port = first_worker.getsockname()[1]
+        config = cluster_lib.parse_tf_config(json.dumps({
+            "cluster": {"worker": [f"localhost:{port}", f"127.0.0.1:{port}"]},
+            "task": {"type": "worker", "index": 1}}))
+        with pytest.raises(startup.StartupError, match=f"worker 1 \\(127.0.0.1:{port}\\)"):
+            startup.check_own_port(config)
+
+
+def test_tensorflows_grpc_server_error_becomes_the_port_message():
+    config = _config(0, ports=(24680, 24681))
+    with pytest.raises(startup.StartupError, match="cannot listen on port 24680.*--port"):
+        with startup.explain_startup_failure(config, 5.0):
+            raise tf.errors.UnknownError(None, None, "Could not start gRPC server")
+
+
+def test_other_errors_pass_through_the_startup_translation():
+    with pytest.raises(tf.errors.UnknownError, match="something else"):
+        with startup.explain_startup_failure(_config(), 5.0):
+            raise tf.errors.UnknownError(None, None, "something else")
+    with pytest.raises(tf.errors.DeadlineExceededError):  # no cluster: nothing to name
+        with startup.explain_startup_failure(None, 5.0):
+            raise tf.errors.DeadlineExceededError(None, None, "late")
+
+
+# --- peers that do not answer ---------------------------------------------------
+
+# What TensorFlow 2.21 says on the leader when worker 2 never registered (3 workers).
+_LEADER_TIMEOUT = (
+    "Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0. This usually happens "
+    "because a task triggered the barrier too early or too slowly.\n# of tasks that reached "
+    "the barrier: 2/3.\nThe first task at the barrier: /job:worker/replica:0/task:1. Some "
+    "timed out task names:\n/job:worker/replica:0/task:2\n\nAdditional GRPC error "
+    "information from remote target /job:worker/replica:0/task:0 while calling "
+    "/tensorflow.CoordinationService/RegisterTask")
+# ... and on a worker whose leader (worker 0) never answered.
+_NO_LEADER = (
+    "Deadline Exceeded\nAdditional GRPC error information from remote target "
+    "/job:worker/replica:0/task:0 while calling /tensorflow.CoordinationService/"
+    "RegisterTask:\n:UNKNOWN:Error received from peer {grpc_status:4}")
+
+
+def _listening_socket():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_the_leaders_timeout_names_the_missing_worker_and_not_the_first_at_the_barrier():
+    with _listening_socket() as peer:
+        ports = (cluster_lib.free_ports(1)[0], peer.getsockname()[1], cluster_lib.free_ports(1)[0])
+        message = startup.unanswered_message(_config(0, ports), 5.0, _LEADER_TIMEOUT)
+    assert "on worker 0 (127.0.0.1:" in message
+    assert "1 other worker did not answer within startup_timeout=5 s" in message
+    assert f"worker 2 (127.0.0.1:{ports[2]}): nothing listens there" in message
+    assert f"127.0.0.1:{ports[1]}" not in message  # it answered
+    assert "TFDP_STARTUP_TIMEOUT" in message and "Start every worker" in message
+    assert "(TensorFlow: Barrier timed out." in message
+
+
+def test_peers_tensorflow_does_not_name_are_found_by_probing_their_ports():
+    # The coordination service names at most two stragglers; a port nobody
+    # listens on adds the others.
+    ports = tuple(cluster_lib.free_ports(3))
+    message = startup.unanswered_message(_config(0, ports), 5.0, _LEADER_TIMEOUT)
+    assert (f"2 other workers did not answer within startup_timeout=5 s: worker 2 (127.0.0.1:"
+            f"{ports[2]}): nothing listens there; worker 1 (127.0.0.1:{ports[1]}): nothing "
+            f"listens there.") in message
+
+
+def test_a_worker_whose_leader_never_answered_names_the_leader():
+    ports = tuple(cluster_lib.free_ports(2))
+    message = startup.unanswered_message(_config(1, ports), 5.0, _NO_LEADER)
+    assert f"worker 0 (127.0.0.1:{ports[0]}): nothing listens there" in message
+    assert "could not start on worker 1" in message
+
+
+def test_a_peer_that_listens_but_never_joined_is_told_apart():
+    with _listening_socket() as peer:
+        ports = (cluster_lib.free_ports(1)[0], peer.getsockname()[1])
+        text = _LEADER_TIMEOUT.replace("task:2\n", "task:1\n")
+        message = startup.unanswered_message(_config(0, ports), 5.0, text)
+    assert f"worker 1 (127.0.0.1:{ports[1]}): its port answers, but it never joined" in message
+
+
+def test_a_deadline_while_starting_becomes_a_startup_error():
+    ports = tuple(cluster_lib.free_ports(2))
+    with pytest.raises(startup.StartupError, match=f"127.0.0.1:{ports[0]}") as error:
+        with startup.explain_startup_failure(_config(1, ports), 5.0):
+            raise tf.errors.DeadlineExceededError(None, None, _NO_LEADER)
+    assert isinstance(error.value.__cause__, tf.errors.DeadlineExceededError)
+
+
+# --- peers that fail while training --------------------------------------------
+
+_HEARTBEAT = (
+    "Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at:\n  File "
+    "\"x.py\", line 3\n\nCollective ops is aborted by: Error reported from "
+    "/job:worker/task:1: The following tasks are unhealthy (stopped sending heartbeats):\n"
+    "/job:worker/replica:0/task:1\nThe tasks have crashed.\n\t [[{{node CollectiveReduceV2}}]]")
+_TIMED_OUT = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at:\n"
+              "Collective has timed out during execution.\n\t [[{{node CollectiveReduceV2}}]]")
+
+
+def test_a_collective_timeout_says_a_peer_is_stuck_and_how_to_wait_longer():
+    message = startup.peer_failure_message(
+        tf.errors.DeadlineExceededError(None, None, _TIMED_OUT), _config(0), 5)
+    assert "did not finish within 5 s on worker 0 (127.0.0.1:2222)" in message
+    assert "stuck" in message and "--collective_timeout" in message
+    assert message.endswith("(TensorFlow: Collective has timed out during execution.)")
+
+
+def test_a_dead_peer_is_named_with_its_address():
+    message = startup.peer_failure_message(
+        tf.errors.UnavailableError(None, None, _HEARTBEAT), _config(0), None)
+    assert message.startswith("Worker 1 (127.0.0.1:2223) stopped answering while worker 0")
+    assert "--max_restarts" in message
+    assert "(TensorFlow: Collective ops is aborted by:" in message
+
+
+def test_peer_failures_outside_a_multi_worker_job_pass_through(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        with startup.explain_peer_failures(collective_timeout=5, environ={}):
+            raise tf.errors.DeadlineExceededError(None, None, _TIMED_OUT)
+
+
+def test_peer_failures_in_a_job_become_peer_failure_errors():
+    environ = {"TF_CONFIG": _config(1).to_json()}
+    with pytest.raises(startup.PeerFailureError, match="stopped answering") as error:
+        with startup.explain_peer_failures(environ=environ):
+            raise tf.errors.UnavailableError(None, None, _HEARTBEAT.replace("task:1", "task:0"))
+    assert "Worker 0 (127.0.0.1:2222)" in str(error.value)
+
+
+# --- the configuration digest ---------------------------------------------------
+
+def test_the_digest_ignores_key_order_and_sees_every_value():
+    a = {"model": "mlp", "seed": 0, "lr": 0.1, "layers": [1, 2]}
+    assert startup.config_digest(a) == startup.config_digest(dict(reversed(a.items())))
+    assert startup.config_digest(a) != startup.config_digest({**a, "seed": 1})
+    assert startup.config_digest(a) != startup.config_digest({**a, "lr": 0.1000001})
+    assert startup.config_digest(a, exclude=["seed"]) == startup.config_digest(
+        {**a, "seed": 1}, exclude=["seed"])
+
+
+def test_a_run_config_is_digested_as_its_fields():
+    config = run_config.RunConfig(seed=3)
+    assert startup.config_digest(config) == startup.config_digest(config.to_dict())
+
+
+def test_the_digest_refuses_other_objects_and_unknown_exclusions():
+    with pytest.raises(TypeError, match="`config` must be a mapping"):
+        startup.config_digest(["seed", 1])
+    with pytest.raises(ValueError, match=r"`exclude` must name fields.*\['sede'\]"):
+        startup.config_digest({"seed": 1}, exclude=["sede"])
+
+
+def test_one_worker_compares_nothing():
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    digest = startup.check_same_config(strategy, {"seed": 1})
+    assert digest == startup.config_digest({"seed": 1})
+
+
+def _gathered(configs):
+    """The rows `check_same_config` would gather from workers with `configs`."""
+    return {w: startup._row(w, startup._fields(c, ())) for w, c in enumerate(configs)}
+
+
+def _info(worker):
+    return tfdp.StrategyInfo("MultiWorkerMirroredStrategy", 3, worker, worker == 0, 3,
+                             ("/cpu:0",), "collective/ring")
+
+
+@pytest.mark.parametrize("worker", [0, 1, 2])
+def test_a_mismatch_names_the_workers_and_fields_on_every_worker(worker):
+    configs = [{"model": "mlp", "seed": 0, "batch": 64},
+               {"model": "mlp", "seed": 0, "batch": 64},
+               {"model": "cnn", "seed": 7, "batch": 64}]
+    rows = _gathered(configs)
+    fields = startup._fields(configs[worker], ())
+    message = startup._mismatch_message(_info(worker), fields, rows, [2], "d")
+    assert "worker 2 differs from the chief (worker 0) in: model, seed" in message
+    if worker == 0:
+        assert 'This worker (0) has model="mlp", seed=0.' in message
+        assert "Start every worker with identical flags" in message
+    else:
+        assert "same flags as the chief" in message
+    if worker == 2:
+        assert 'This worker (2) has model="cnn", seed=7.' in message
+
+
+def test_a_mismatch_in_the_set_of_fields_suggests_different_versions():
+    configs = [{"seed": 0}, {"seed": 0, "new_flag": 1}]
+    rows = _gathered(configs)
+    message = startup._mismatch_message(_info(0), startup._fields(configs[0], ()), rows,
+                                        [1], "d")
+    assert "worker 1 differs from the chief (worker 0) in: its set of fields" in message
+
+
+# --- slow: real workers ---------------------------------------------------------
+
+def _run_python(code, env, timeout):
+    """Runs `code` in a fresh Python with `env`; returns (CompletedProcess, seconds)."""
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
+               **env}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ,
+                            capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+_MAKE_STRATEGY = """
+    import time, tfdp
+    {prelude}
+    started = time.monotonic()
+    try:
+        tfdp.make_strategy("multi_worker", {arguments})
+    finally:
+        print(f"make_strategy took {{time.monotonic() - started:.1f}} s", flush=True)
+"""
+
+
+# Imported before the clock starts, so that the time measured is the wait for
+# peers (importing Keras takes seconds on a busy 2-core machine).
+_PRELOAD = "import tfdp._upstream.keras_multi_worker"
+
+
+def _took(result):
+    line = [l for l in result.stdout.splitlines() if l.startswith("make_strategy took")]
+    assert line, result.stdout + result.stderr[-3000:]
+    return float(line[0].split()[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("started", [0, 1], ids=["only_the_leader", "only_worker_1"])
+def test_a_peer_that_never_starts_fails_within_the_startup_timeout(started):
+    ports = cluster_lib.free_ports(2)
+    tf_config = cluster_lib.local_tf_config(2, started, ports=ports)
+    result, seconds = _run_python(_MAKE_STRATEGY.format(prelude=_PRELOAD, arguments="startup_timeout=5"),
+                                  {"TF_CONFIG": json.dumps(tf_config)}, timeout=90)
+    missing = f"127.0.0.1:{ports[1 - started]}"
+    assert result.returncode != 0
+    assert "StartupError" in result.stderr, result.stderr[-3000:]
+    assert f"worker {1 - started} ({missing}): nothing listens there" in result.stderr
+    # The leader gives up at the deadline; another worker adds gRPC's back-off.
+    assert _took(result) < 5 + (3 if started == 0 else 8), result.stdout
+    assert seconds < 60
+
+
+@pytest.mark.slow
+def test_the_startup_timeout_comes_from_the_environment_in_a_worker():
+    ports = cluster_lib.free_ports(2)
+    tf_config = cluster_lib.local_tf_config(2, 0, ports=ports)
+    result, _ = _run_python(_MAKE_STRATEGY.format(prelude=_PRELOAD, arguments=""),
+                            {"TF_CONFIG": json.dumps(tf_config), "TFDP_STARTUP_TIMEOUT": "3"},
+                            timeout=90)
+    assert result.returncode != 0 and "within startup_timeout=3 s" in result.stderr
+    assert _took(result) < 3 + 3
+
+
+@pytest.mark.slow
+def test_a_worker_whose_port_is_taken_fails_at_once_naming_it():
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        tf_config = cluster_lib.local_tf_config(2, 1, ports=[cluster_lib.free_ports(1)[0], port])
+        result, _ = _run_python(_MAKE_STRATEGY.format(prelude="import tfdp.distribute.strategy", arguments="startup_timeout=30"),
+                                {"TF_CONFIG": json.dumps(tf_config)}, timeout=90)
+    assert result.returncode != 0
+    assert f"cannot listen on port {port}: it is in use" in result.stderr
+    assert "--port" in result.stderr and "Could not start gRPC server" not in result.stderr
+    assert _took(result) < 2
+
+
+_STUCK_PEER = """
+    import os, signal, sys, time
+    import tensorflow as tf
+    import tfdp
+    from tfdp.distribute import startup
+
+    strategy = tfdp.make_strategy("multi_worker", timeout_seconds=5, startup_timeout=60)
+
+    @tf.function
+    def all_reduce():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.ones([4])), axis=None)
+
+    print("first all-reduce", all_reduce().numpy().tolist(), flush=True)
+    if os.environ["TFDP_RANK"] == "1":
+        with open("stuck.pid", "w") as f:
+            f.write(str(os.getpid()))
+        if sys.argv[1] == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(300)  # alive (heartbeats go on) but never joins the next all-reduce
+    started = time.monotonic()
+    try:
+        with startup.explain_peer_failures(collective_timeout=5):
+            all_reduce().numpy()
+    finally:
+        print(f"second all-reduce ended after {time.monotonic() - started:.1f} s", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigstop", "sleep"])
+def test_a_stuck_peer_fails_the_others_at_the_collective_timeout(tmp_path, how):
+    result = run_worker_script(tmp_path, _STUCK_PEER, script_args=[how], timeout=150,
+                               launch_args=["--grace_period", "2"])
+    # run_worker_script has checked that no worker is left (stopped ones included).
+    assert result.returncode != 0, result.describe()
+    assert result.worker_stdout(1) == ["first all-reduce [2.0, 2.0, 2.0, 2.0]"]
+    ended = [l for l in result.worker_stdout(0) if l.startswith("second all-reduce ended")]
+    assert ended, result.describe()
+    assert 4.5 <= float(ended[0].split()[-2]) <= 15, ended
+    stderr = "\n".join(result.worker_stderr(0))
+    assert "PeerFailureError: A collective across the workers did not finish within 5 s" in stderr
+    assert "--collective_timeout" in stderr
+    stuck = int((tmp_path / "stuck.pid").read_text())
+    assert not os.path.exists(f"/proc/{stuck}")
+
+
+_SAME_CONFIG = """
+    import os
+    import tfdp
+    from tfdp.distribute import startup
+
+    strategy = tfdp.make_strategy("multi_worker", startup_timeout=60)
+    rank = int(os.environ["TFDP_RANK"])
+    seed = rank if os.environ.get("DIFFERENT_SEEDS") else 0
+    digest = startup.check_same_config(strategy, {"model": "mlp", "global_batch": 64,
+                                                  "seed": seed})
+    print("digest", digest, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("different", [False, True], ids=["same", "different_seeds"])
+def test_workers_with_different_configurations_all_fail(tmp_path, different):
+    env = {"DIFFERENT_SEEDS": "1"} if different else {}
+    result = run_worker_script(tmp_path, _SAME_CONFIG, env=env, timeout=150)
+    if not different:
+        assert result.returncode == 0, result.describe()
+        digests = {tuple(result.worker_stdout(r)) for r in (0, 1)}
+        assert len(digests) == 1, result.describe()
+        return
+    assert result.returncode != 0, result.describe()
+    for rank in (0, 1):
+        stderr = "\n".join(result.worker_stderr(rank))
+        assert ("ConfigMismatchError: The workers' configurations differ: worker 1 differs "
+                "from the chief (worker 0) in: seed.") in stderr, result.describe()
+        assert f"This worker ({rank}) has seed={rank}." in stderr
+    assert "Start every worker with identical flags" in "\n".join(result.worker_stderr(0))
+
+
+@pytest.mark.slow
+def test_tfdp_train_refuses_workers_started_with_different_seeds(tmp_path):
+    # The check tfdp.app.experiment runs right after the strategy is built; nothing
+    # is written to model_dir.
+    command = ["sh", "-c", f'exec "{shutil.which("tfdp-train")}" --dataset=digits --model=mlp '
+               f'--epochs=1 --steps_per_epoch=1 --model_dir={tmp_path / "run"} '
+               f'--data_dir={tmp_path / "data"} --seed=$TFDP_RANK']
+    result = run_launch(command, nproc=2, timeout=180, cwd=tmp_path)
+    assert result.returncode != 0, result.describe()
+    for rank in (0, 1):
+        stderr = "\n".join(result.worker_stderr(rank))
+        assert "worker 1 differs from the chief (worker 0) in: seed." in stderr, result.describe()
+        assert f"This worker ({rank}) has seed={rank}." in stderr
+    assert not (tmp_path / "run").exists()

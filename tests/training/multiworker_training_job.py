@@ -1,0 +1,404 @@
+"""Worker program for tests/training/test_multiworker_training.py (two MWMS workers).
+
+Run as `python multiworker_training_job.py OUT_DIR` under
+`tfdp-launch --nproc_per_node 2`. Each worker trains the same tiny model
+several ways under one `tfdp.make_strategy("multi_worker")` (one launch: each
+costs ~10 s of TensorFlow start-up) and writes what it ends with to
+`OUT_DIR/rank{R}.npz`. Every `model.fit` case goes through `tfdp.compile` on
+the global batches of `global_batches(0)`, one epoch:
+
+- `fit_*`: momentum SGD, `accum_steps=2`, `steps_per_execution=2`;
+- `lars_*`, `lamb_*`: `tfdp.optimizers.LARS` / `LAMB` (`OPTIMIZER_CASES`);
+- `warmup_*`: momentum SGD on a `tfdp.WarmupSchedule` (`warmup_schedule`),
+  `accum_steps=4`;
+- `mixed_bfloat16_*`, `mixed_float16_*`: under that dtype policy;
+- `trainer_*`: `tfdp.Trainer(accum_steps=2)` on a model that counts, per
+  example id, how often each example was trained on (`SeenCounter`),
+  stopped after `RESUME_AT` steps and resumed by a second Trainer from the
+  chief's checkpoint to `TOTAL_STEPS`;
+- `eval_*`: `Trainer.evaluate` on a zero-weight-padded evaluation set;
+- `*_grad_allreduces`: tensor all-reduces each case launched at run time
+  (`count_all_reduces`), and `control_*` a loop that all-reduces once per
+  iteration, which that count must see;
+- `scratch_created`, `scratch_left`: temporary directories this worker
+  created (non-chief checkpoint saves) and those still there at the end;
+- `jit_error`: what `tfdp.compile(jit_compile=True)` raised: on CPU workers
+  tfdp refuses it (TensorFlow has no XLA collectives on CPU).
+
+The test imports this module too, for the data, models and optimizers (one
+source of truth for the workers and the single-device references).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+FEATURES, CLASSES = 6, 3
+GLOBAL_BATCH = 16
+NUM_EXAMPLES = 96  # 6 global batches an epoch
+STEPS_PER_EPOCH = NUM_EXAMPLES // GLOBAL_BATCH
+RESUME_AT, TOTAL_STEPS = 4, 9
+COUNTED_EPOCHS = 2  # TOTAL_STEPS reaches into the second epoch
+EVAL_EXAMPLES, EVAL_PADDED = 50, 64
+ACCUM_STEPS = 2
+WARMUP_ACCUM_STEPS = 4
+CONTROL_LOOP_STEPS = 3
+LEARNING_RATE = 0.5
+MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
+
+
+def arrays(n=NUM_EXAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(n,)).astype("int32")
+    return x, y
+
+
+def epoch_order(epoch):
+    """The order of the examples in `epoch`: depends only on the epoch."""
+    return np.random.default_rng(100 + epoch).permutation(NUM_EXAMPLES)
+
+
+def global_batches(epoch=0):
+    """The training data for `epoch`: a seeded order, global batches."""
+    import tensorflow as tf
+
+    x, y = arrays()
+    order = epoch_order(epoch)
+    return tf.data.Dataset.from_tensor_slices((x[order], y[order])).batch(
+        GLOBAL_BATCH, drop_remainder=True
+    )
+
+
+def counted_batches(epoch):
+    """`global_batches(epoch)` with each example's id, distinct per epoch."""
+    import tensorflow as tf
+
+    x, y = arrays()
+    order = epoch_order(epoch)
+    ids = (epoch * NUM_EXAMPLES + order).astype("int32")
+    return tf.data.Dataset.from_tensor_slices(
+        ({"features": x[order], "id": ids}, y[order])
+    ).batch(GLOBAL_BATCH, drop_remainder=True)
+
+
+def padded_eval_batches():
+    """The evaluation set for `build_counting_model()` (ids unused), zero-weight padded."""
+    import tensorflow as tf
+
+    x, y = arrays(EVAL_EXAMPLES, seed=1)
+    pad = EVAL_PADDED - EVAL_EXAMPLES
+    xp = np.concatenate([x, np.zeros((pad, FEATURES), "float32")])
+    yp = np.concatenate([y, np.zeros((pad,), "int32")])
+    wp = np.concatenate([np.ones(EVAL_EXAMPLES, "float32"), np.zeros(pad, "float32")])
+    ids = np.zeros((EVAL_PADDED,), "int32")
+    return tf.data.Dataset.from_tensor_slices(({"features": xp, "id": ids}, yp, wp)).batch(
+        GLOBAL_BATCH
+    )
+
+
+def _hidden_layers():
+    import keras
+
+    return [
+        keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
+        keras.layers.Dense(CLASSES),
+    ]
+
+
+def build_model():
+    import keras
+
+    keras.utils.set_random_seed(11)
+    return keras.Sequential([keras.Input((FEATURES,)), *_hidden_layers()])
+
+
+def seen_counter(size):
+    """An identity layer on features that counts, in training, each example id used.
+
+    The counts are a weight synchronised on read with SUM aggregation: every
+    replica counts into its own copy and a read sums the copies over all
+    replicas of all workers. They are checkpointed and restored with the model.
+    """
+    import keras
+    import tensorflow as tf
+
+    class SeenCounter(keras.layers.Layer):
+        def build(self, input_shape):
+            self.counts = keras.Variable(
+                initializer="zeros", shape=(size,), trainable=False, name="counts",
+                aggregation="sum", synchronization="on_read",
+            )
+
+        def call(self, inputs, training=False):
+            features, ids = inputs
+            if training:
+                self.counts.assign_add(tf.reduce_sum(tf.one_hot(ids, size), axis=0))
+            return features
+
+    return SeenCounter(name="seen_counter")
+
+
+def build_counting_model():
+    """`build_model()` (same initial weights) behind a `seen_counter` on the ids."""
+    import keras
+
+    keras.utils.set_random_seed(11)
+    features = keras.Input((FEATURES,), name="features")
+    ids = keras.Input((), dtype="int32", name="id")
+    hidden = seen_counter(COUNTED_EPOCHS * NUM_EXAMPLES)([features, ids])
+    for layer in _hidden_layers():
+        hidden = layer(hidden)
+    return keras.Model({"features": features, "id": ids}, hidden)
+
+
+def loss():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def optimizer():
+    import keras
+
+    return keras.optimizers.SGD(LEARNING_RATE, momentum=0.5)
+
+
+def warmup_schedule():
+    """3 warmup steps to 0.5, then cosine to 0 at step 8 (epoch: 6 steps)."""
+    import tfdp
+
+    return tfdp.WarmupSchedule(LEARNING_RATE, warmup_steps=3, decay="cosine", total_steps=8)
+
+
+def warmup_optimizer(schedule=None):
+    import keras
+
+    return keras.optimizers.SGD(schedule or warmup_schedule(), momentum=0.5)
+
+
+def lars_optimizer():
+    from tfdp.optimizers import LARS
+
+    return LARS(1.0, momentum=0.9, weight_decay=1e-3, eeta=0.1)
+
+
+def lamb_optimizer():
+    from tfdp.optimizers import LAMB
+
+    return LAMB(0.05, weight_decay=0.01)
+
+
+#: name -> (optimizer factory, accum_steps) of the LARS / LAMB fit cases.
+OPTIMIZER_CASES = {"lars": (lars_optimizer, 1), "lamb": (lamb_optimizer, ACCUM_STEPS)}
+
+
+def count_all_reduces(strategy):
+    """Counts, at run time, the gradient all-reduces `strategy` launches.
+
+    Every all-reduce of a MultiWorkerMirroredStrategy's compute replicas goes
+    through `CollectiveAllReduce._all_reduce` (gradients through `merge_call`
+    and `batch_reduce`, or straight from replica context), once per local
+    replica and call, whatever the number of packs. The wrapper makes that
+    collective's inputs depend on `counter.assign_add(1)`, so the counter
+    grows each time the collective runs: once per iteration when it sits
+    inside a `tf.while_loop`. Only all-reduces of more than one number, in
+    traced functions, are counted: each step also all-reduces single numbers
+    (the distributed iterator's "replicas with data" flag, Keras' logs, the
+    loss-scale finite flag), and reading a variable synchronised on read
+    all-reduces eagerly.
+
+    Returns:
+        The counter, an int64 `tf.Variable`.
+    """
+    import tensorflow as tf
+
+    counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+    ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
+    all_reduce = ops._all_reduce  # pylint: disable=protected-access
+
+    def counting_all_reduce(reduce_op, value, replica_id, options):
+        flat = tf.nest.flatten(value)
+        if tf.executing_eagerly() or sum(t.shape.num_elements() or 0 for t in flat) <= 1:
+            return all_reduce(reduce_op, value, replica_id, options)
+        with tf.control_dependencies([counter.assign_add(1)]):
+            flat = [tf.identity(t) for t in flat]
+        return all_reduce(reduce_op, tf.nest.pack_sequence_as(value, flat), replica_id, options)
+
+    ops._all_reduce = counting_all_reduce  # pylint: disable=protected-access
+    return counter
+
+
+def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
+              steps_per_execution=1, jit_compile=False):
+    """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`."""
+    with strategy.scope():
+        model = build_model()
+        tfdp.compile(model, optimizer=make_optimizer(), loss=loss(), metrics=["accuracy"],
+                     accum_steps=accum_steps, steps_per_execution=steps_per_execution,
+                     jit_compile=jit_compile)
+    from tfdp.training import nonfinite
+    from tfdp._upstream import loss_scale
+
+    # tfdp.compile wraps the optimizer to skip non-finite steps; the one that
+    # applies the updates is inside.
+    updates = model.optimizer
+    if isinstance(updates, nonfinite.NonFiniteGuard):
+        updates = updates.inner_optimizer
+    before = int(counter.numpy())
+    history = model.fit(global_batches(), epochs=1, verbose=0)
+    results = {
+        f"{name}_iterations": int(model.optimizer.iterations.numpy()),
+        f"{name}_grad_allreduces": int(counter.numpy()) - before,
+        f"{name}_loss": np.asarray(history.history["loss"], "float64"),
+        f"{name}_optimizer": f"{type(updates).__module__}.{type(updates).__name__}",
+        f"{name}_consistent_loss_scale": isinstance(model.optimizer,
+                                                    loss_scale.LossScaleOptimizer),
+    }
+    for i, w in enumerate(model.get_weights()):
+        results[f"{name}_weight{i}"] = np.asarray(w, "float32")
+    return results
+
+
+def _mixed_precision_cases(tfdp, strategy, counter):
+    import keras
+
+    results = {}
+    for policy in MIXED_POLICIES:
+        keras.config.set_dtype_policy(policy)
+        try:
+            results.update(_fit_case(tfdp, strategy, counter, policy, make_optimizer=optimizer,
+                                     accum_steps=ACCUM_STEPS))
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return results
+
+
+def _control_loop(strategy, counter):
+    """All-reduces once per iteration of a `tf.while_loop` in replica context.
+
+    What the accumulation loop must not do; `count_all_reduces` must count
+    `CONTROL_LOOP_STEPS` here, or its 1-per-step counts prove nothing.
+    """
+    import tensorflow as tf
+
+    extended = strategy.extended
+
+    def replica_fn():
+        def body(i, total):
+            # Straight from replica context (merge_call cannot run in a loop).
+            reduced = extended._replica_ctx_all_reduce(  # pylint: disable=protected-access
+                tf.distribute.ReduceOp.SUM, tf.ones([2])
+            )
+            return i + 1, total + reduced
+
+        return tf.while_loop(lambda i, _: i < CONTROL_LOOP_STEPS, body,
+                             (tf.constant(0), tf.zeros([2])))[1]
+
+    before = int(counter.numpy())
+    total = strategy.run(tf.function(replica_fn))
+    total = strategy.experimental_local_results(total)[0].numpy()
+    return {"control_grad_allreduces": int(counter.numpy()) - before, "control_total": total}
+
+
+def _trainer(tfdp, strategy, model_dir):
+    with strategy.scope():
+        model, opt = build_counting_model(), optimizer()
+    batch = tfdp.BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync, ACCUM_STEPS)
+    return tfdp.Trainer(model, optimizer=opt, loss=loss(), strategy=strategy, batch=batch,
+                        metrics=["accuracy"], model_dir=model_dir, checkpoint_every=2)
+
+
+def _trainer_cases(tfdp, strategy, counter, out_dir):
+    results = {}
+    model_dir = os.path.join(out_dir, "model_dir")
+    before = int(counter.numpy())
+    first = _trainer(tfdp, strategy, model_dir)
+    first.train(counted_batches, steps=RESUME_AT)
+    second = _trainer(tfdp, strategy, model_dir)
+    results["trainer_restored_step"] = second.global_step  # 0: nothing restored yet
+    summary = second.train(counted_batches, steps=TOTAL_STEPS)
+    results["trainer_grad_allreduces"] = int(counter.numpy()) - before
+    results["trainer_steps"] = summary["steps"]
+    counting = second.model.get_layer("seen_counter")
+    results["trainer_seen"] = counting.counts.numpy()  # summed over all replicas
+    trainable = [w for w in second.model.weights if w.trainable]
+    for i, w in enumerate(trainable):
+        results[f"trainer_weight{i}"] = w.numpy()
+    evaluation = second.evaluate(padded_eval_batches())
+    results["eval_loss"] = evaluation["loss"]
+    results["eval_accuracy"] = evaluation["accuracy"]
+    return results
+
+
+def _jit_case(tfdp, strategy, counter):
+    """Expected to raise on CPU workers; a run that went ahead is recorded too."""
+    try:
+        return _fit_case(tfdp, strategy, counter, "jit", make_optimizer=optimizer,
+                         accum_steps=ACCUM_STEPS, jit_compile=True)
+    except Exception as error:  # pylint: disable=broad-except
+        return {"jit_error": f"{type(error).__name__}: {error}"[-3000:]}
+
+
+def _record_scratch_directories(directory):
+    """Puts temporary directories under `directory`; returns the list of those created.
+
+    Non-chief workers save checkpoints into such scratch directories
+    (`tfdp.training.checkpointing`), which must be gone after each save.
+    """
+    os.makedirs(directory, exist_ok=True)
+    tempfile.tempdir = directory
+    created = []
+    mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs):
+        created.append(mkdtemp(*args, **kwargs))
+        return created[-1]
+
+    tempfile.mkdtemp = recording_mkdtemp
+    return created
+
+
+def main(out_dir: str) -> None:
+    import tfdp
+
+    strategy = tfdp.make_strategy("multi_worker", timeout_seconds=60)
+    rank = tfdp.strategy_info(strategy).worker_index
+    scratch = _record_scratch_directories(os.path.join(out_dir, f"tmp{rank}"))
+    counter = count_all_reduces(strategy)
+    results = {}
+
+    def timed(name, fn, *args, **kwargs):
+        start = time.perf_counter()
+        results.update(fn(*args, **kwargs))
+        print(f"case {name}: {time.perf_counter() - start:.1f} s", flush=True)
+
+    timed("fit", _fit_case, tfdp, strategy, counter, "fit", make_optimizer=optimizer,
+          accum_steps=ACCUM_STEPS, steps_per_execution=2)
+    for name, (make_optimizer, accum_steps) in OPTIMIZER_CASES.items():
+        timed(name, _fit_case, tfdp, strategy, counter, name, make_optimizer=make_optimizer,
+              accum_steps=accum_steps)
+    timed("warmup", _fit_case, tfdp, strategy, counter, "warmup", make_optimizer=warmup_optimizer,
+          accum_steps=WARMUP_ACCUM_STEPS)
+    timed("mixed", _mixed_precision_cases, tfdp, strategy, counter)
+    timed("control", _control_loop, strategy, counter)
+    timed("trainer", _trainer_cases, tfdp, strategy, counter, out_dir)
+    results["scratch_created"] = len(scratch)
+    results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
+    timed("jit", _jit_case, tfdp, strategy, counter)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # TensorFlow 2.21 can abort in its exit handlers after this many
+    # multi-worker cases in one process ("double free or corruption");
+    # everything is written by now.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

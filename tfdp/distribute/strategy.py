@@ -1,0 +1,656 @@
+"""Build the `tf.distribute.Strategy` a training job runs under.
+
+This module owns one decision: given the job's arguments and the devices and
+workers it can see, which strategy and which all-reduce to use. The decision
+(`plan_strategy`) is a pure function of its inputs, so it is tested with any
+device list, GPUs included; building the TensorFlow objects (`make_strategy`)
+is a thin step after it. Parsing TF_CONFIG belongs to `tfdp.distribute.cluster`; the
+Keras fixes a multi-worker strategy needs belong to `tfdp._upstream`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import slurm_env
+from tfdp.distribute import startup
+
+KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "collective")
+COMMUNICATIONS = ("auto", "nccl", "ring")
+
+#: `bytes_per_pack` when it is not given and the workers have no GPU: 4 MiB.
+#: TensorFlow's default (0) concatenates every gradient into one tensor and
+#: all-reduces it in one ring pass over gRPC. On 2 CPU workers over loopback,
+#: a 10M-parameter MLP's 40 MB of gradients took 67-266 ms that way and
+#: 72-134 ms, mostly about 85, in 4 MiB packs (15 calls each), which skip the
+#: big concatenation and pipeline the transfers; the suite's all-reduce case
+#: (`python -m tfdp.bench`, case 5) measured 122 and 137 ms against 80 and 74.
+#: Gradient lists under 4 MiB stay one pack either way. GPU workers keep
+#: TensorFlow's default: NCCL's trade-offs were not measured here.
+CPU_BYTES_PER_PACK = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyPlan:
+    """What `make_strategy` will build, decided before TensorFlow is touched.
+
+    Attributes:
+        kind: one of `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`.
+        devices: device strings for `one_device` / `mirrored`, or `None` to let
+            TensorFlow use every local GPU (or the CPU).
+        cross_device_ops: for `mirrored`: `"nccl"`, `"hierarchical_copy"`,
+            `"reduce_to_one"` or `"collective"` (TensorFlow's default: ring
+            collectives on CPUs, NCCL collectives on GPUs).
+        num_packs: pack count for `nccl` / `hierarchical_copy`.
+        communication: for `multi_worker`: `"auto"`, `"nccl"` or `"ring"`.
+        bytes_per_pack: for `multi_worker`: gradient packing, in bytes (0: one
+            pack per gradient dtype group, TensorFlow's default). Resolved
+            from `None` by `plan_for` (see `CPU_BYTES_PER_PACK`).
+        timeout_seconds: for `multi_worker`: collective timeout in seconds, or
+            `None` to wait forever.
+        startup_timeout: for `multi_worker`: seconds every worker waits for
+            all the others to start, or `None` for TensorFlow's own wait (an
+            hour).
+        warnings: fallbacks taken, each logged once when the strategy is built.
+        num_replicas: replicas in sync the strategy will have, over all
+            workers (known before it is built, to validate batch sizes before
+            any collective starts).
+    """
+
+    kind: str
+    devices: tuple[str, ...] | None = None
+    cross_device_ops: str | None = None
+    num_packs: int = 1
+    communication: str | None = None
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    startup_timeout: float | None = None
+    warnings: tuple[str, ...] = ()
+    num_replicas: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyInfo:
+    """A summary of a strategy, as the chief logs it at start.
+
+    Attributes:
+        strategy: the strategy's class name, e.g. `"MirroredStrategy"`.
+        num_workers: worker processes taking part in training.
+        worker_index: this process's rank among them (0 is the chief).
+        is_chief: whether this process logs, and owns output files.
+        num_replicas_in_sync: replicas across all workers; each gets
+            `global_batch / num_replicas_in_sync` examples per step.
+        devices: this worker's compute devices, one per local replica.
+        all_reduce: the gradient all-reduce in use (see
+            `tfdp._upstream.strategy_internals.all_reduce_name`).
+    """
+
+    strategy: str
+    num_workers: int
+    worker_index: int
+    is_chief: bool
+    num_replicas_in_sync: int
+    devices: tuple[str, ...]
+    all_reduce: str
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"{self.strategy}: {self.num_workers} worker(s), this is worker "
+            f"{self.worker_index}{' (chief)' if self.is_chief else ''}; "
+            f"{self.num_replicas_in_sync} replica(s) in sync; local devices "
+            f"{', '.join(self.devices)}; all-reduce {self.all_reduce}"
+        )
+
+
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {', '.join(map(repr, choices))}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _check_positive_int(name: str, value, *, minimum: int = 1, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}"
+            f"{' or None' if allow_none else ''}. Received: {name}={value!r}"
+        )
+
+
+def plan_strategy(
+    kind: str = "auto",
+    *,
+    num_gpus: int,
+    num_workers: int = 1,
+    cpu_replicas: int | None = None,
+    cross_device_ops: str = "auto",
+    num_packs: int = 1,
+    communication: str = "auto",
+    bytes_per_pack: int | None = None,
+    timeout_seconds: float | None = None,
+    startup_timeout: float | None = None,
+) -> StrategyPlan:
+    """Decides which strategy to build, from arguments and visible hardware.
+
+    A pure function: it reads no environment and touches no device, so every
+    branch (several GPUs included) is testable on a CPU-only machine.
+
+    Args:
+        kind: see `make_strategy`.
+        num_gpus: physical GPUs visible on this host.
+        num_workers: workers in the cluster (TF_CONFIG or Slurm); 1 when there
+            is no cluster.
+        cpu_replicas, cross_device_ops, num_packs, communication,
+            bytes_per_pack, timeout_seconds: see `make_strategy`.
+        startup_timeout: seconds, or `None` (TensorFlow's own wait); unlike
+            `make_strategy`, no environment variable is read here.
+
+    Returns:
+        A `StrategyPlan`.
+
+    Raises:
+        ValueError: an argument is out of range, or the combination cannot
+            work (for example `kind="one_device"` with `cpu_replicas=2`).
+    """
+    _check_choice("kind", kind, KINDS)
+    _check_choice("cross_device_ops", cross_device_ops, CROSS_DEVICE_OPS)
+    _check_choice("communication", communication, COMMUNICATIONS)
+    _check_positive_int("cpu_replicas", cpu_replicas, allow_none=True)
+    _check_positive_int("num_packs", num_packs)
+    _check_positive_int("bytes_per_pack", bytes_per_pack, minimum=0, allow_none=True)
+    _check_positive_int("num_gpus", num_gpus, minimum=0)
+    _check_positive_int("num_workers", num_workers)
+    if timeout_seconds is not None and (
+        isinstance(timeout_seconds, bool)
+        or not isinstance(timeout_seconds, (int, float))
+        or timeout_seconds <= 0
+    ):
+        raise ValueError(
+            "`timeout_seconds` must be a positive number of seconds or None "
+            f"(wait forever). Received: timeout_seconds={timeout_seconds!r}"
+        )
+    if startup_timeout is not None:
+        startup.check_seconds("startup_timeout", startup_timeout)
+    if cpu_replicas is not None and cpu_replicas > 1 and num_gpus > 0:
+        raise ValueError(
+            f"`cpu_replicas` splits the CPU into logical devices for testing "
+            f"without GPUs, but this host has {num_gpus} GPU(s). Remove "
+            f"cpu_replicas={cpu_replicas} to train on the GPUs."
+        )
+
+    if kind == "auto":
+        if num_workers > 1:
+            kind = "multi_worker"
+        elif num_gpus > 1 or (cpu_replicas or 1) > 1:
+            kind = "mirrored"
+        else:
+            kind = "default"
+
+    if num_workers > 1 and kind != "multi_worker":
+        raise ValueError(
+            f"The cluster configuration (TF_CONFIG or Slurm) describes "
+            f"{num_workers} workers, but kind={kind!r} trains on one worker "
+            f"only. Use kind='multi_worker' (or 'auto'), or unset TF_CONFIG "
+            f"to train on this host alone."
+        )
+
+    if kind == "default":
+        if (cpu_replicas or 1) > 1:
+            raise ValueError(
+                f"kind='default' runs one replica, so cpu_replicas="
+                f"{cpu_replicas} would be ignored. Use kind='mirrored' (or "
+                f"'auto') for several replicas."
+            )
+        return StrategyPlan(kind="default")
+
+    if kind == "one_device":
+        if (cpu_replicas or 1) > 1:
+            raise ValueError(
+                f"kind='one_device' runs one replica, so cpu_replicas="
+                f"{cpu_replicas} would be ignored. Use kind='mirrored' (or "
+                f"'auto') for several replicas."
+            )
+        return StrategyPlan(
+            kind="one_device", devices=("/gpu:0" if num_gpus else "/cpu:0",)
+        )
+
+    if kind == "multi_worker":
+        if (cpu_replicas or 1) > 1:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy runs one replica per worker on "
+                f"CPUs, so cpu_replicas={cpu_replicas} cannot apply. Start more "
+                f"workers instead (tfdp-launch --nproc_per_node N), or use "
+                f"kind='mirrored' for several replicas in one process."
+            )
+        warnings = []
+        if communication == "nccl" and num_gpus == 0:
+            warnings.append(
+                "communication='nccl' needs GPUs and this worker has none; "
+                "falling back to 'ring' collectives."
+            )
+            communication = "ring"
+        if bytes_per_pack is None:
+            bytes_per_pack = CPU_BYTES_PER_PACK if num_gpus == 0 else 0
+        return StrategyPlan(
+            kind="multi_worker",
+            communication=communication,
+            bytes_per_pack=bytes_per_pack,
+            timeout_seconds=timeout_seconds,
+            startup_timeout=startup_timeout,
+            warnings=tuple(warnings),
+            num_replicas=num_workers * max(num_gpus, 1),
+        )
+
+    # kind == "mirrored"
+    warnings = []
+    if num_gpus:
+        devices = None  # every local GPU
+        chosen = cross_device_ops
+        if chosen == "auto":
+            chosen = "nccl" if num_gpus > 1 else "reduce_to_one"
+    else:
+        devices = tuple(f"/cpu:{i}" for i in range(cpu_replicas or 1))
+        chosen = cross_device_ops
+        if chosen in ("nccl", "hierarchical_copy"):
+            warnings.append(
+                f"cross_device_ops={chosen!r} needs GPUs and this host has none; "
+                f"falling back to ring collectives across "
+                f"{len(devices)} CPU device(s)."
+            )
+            chosen = "collective"
+        elif chosen == "auto":
+            chosen = "collective"
+    return StrategyPlan(
+        kind="mirrored",
+        devices=devices,
+        cross_device_ops=chosen,
+        num_packs=num_packs,
+        warnings=tuple(warnings),
+        num_replicas=len(devices) if devices is not None else num_gpus,
+    )
+
+
+def configure_cpu_devices(count: int) -> None:
+    """Splits the host CPU into `count` logical devices.
+
+    Lets every multi-replica code path run on a machine without GPUs: a
+    MirroredStrategy over `count` logical CPUs behaves like one over `count`
+    GPUs, with the CPU cores shared between them.
+
+    Must run before TensorFlow initialises its devices (before the first op,
+    tensor, model or strategy). When TensorFlow is already initialised with at
+    least `count` logical CPUs, this does nothing.
+
+    Args:
+        count: number of logical CPU devices, >= 1.
+
+    Raises:
+        ValueError: `count` is not a positive integer.
+        RuntimeError: TensorFlow already initialised its devices with fewer
+            than `count` logical CPUs.
+    """
+    _check_positive_int("cpu_replicas", count)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu) or []
+    if len(configured) >= count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+        )
+    except RuntimeError as error:
+        available = len(tf.config.list_logical_devices("CPU"))
+        if available >= count:
+            return
+        raise RuntimeError(
+            f"cpu_replicas={count} needs {count} logical CPU devices, but "
+            f"TensorFlow has already initialised its devices with {available}. "
+            f"Call tfdp.make_strategy(cpu_replicas={count}) (or "
+            f"tfdp.configure_cpu_devices({count})) at the start of the program, "
+            f"before any TensorFlow op runs or any tensor, model or strategy is "
+            f"created."
+        ) from error
+
+
+def _cross_device_ops(plan: StrategyPlan):
+    if plan.cross_device_ops == "nccl":
+        return tf.distribute.NcclAllReduce(num_packs=plan.num_packs)
+    if plan.cross_device_ops == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce(num_packs=plan.num_packs)
+    if plan.cross_device_ops == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice()
+    return None  # "collective": MirroredStrategy's own default
+
+
+def _communication_options(plan: StrategyPlan):
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    }[plan.communication]
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=plan.bytes_per_pack,
+        timeout_seconds=plan.timeout_seconds,
+        implementation=implementation,
+    )
+
+
+def _slurm_cluster(environ: Mapping[str, str]):
+    """This Slurm job step's `ClusterConfig` when it has several tasks, else None."""
+    config = slurm_env.cluster_config(environ)
+    return config if config is not None and config.num_workers > 1 else None
+
+
+def _cluster_resolver(environ: Mapping[str, str]):
+    """The resolver for this job's cluster: TF_CONFIG first, then a Slurm job step.
+
+    For Slurm, `tfdp.distribute.slurm_env` reads the step's environment (TensorFlow's
+    `SlurmClusterResolver` fails on CPU-only nodes and misorders nodes such as
+    `node[9-10]`; see that module) and the cluster reaches TensorFlow as a
+    `SimpleClusterResolver`. MultiWorkerMirroredStrategy takes a non-TF_CONFIG
+    resolver's GPU count from `num_accelerators()`, so it is this task's
+    visible GPUs (Slurm's `--gpus-per-task` binding is already applied).
+    """
+    if cluster_lib.parse_tf_config(environ=environ) is not None:
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    config = _slurm_cluster(environ)
+    if config is not None:
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({job: list(tasks) for job, tasks in config.cluster.items()}),
+            task_type=config.task_type,
+            task_id=config.task_index,
+            num_accelerators={"GPU": len(tf.config.list_physical_devices("GPU"))},
+            rpc_layer="grpc",
+        )
+    return None
+
+
+def _cluster_config(environ: Mapping[str, str]) -> cluster_lib.ClusterConfig | None:
+    """This job's cluster: TF_CONFIG, else a Slurm job step of several tasks, else None."""
+    config = cluster_lib.parse_tf_config(environ=environ)
+    return _slurm_cluster(environ) if config is None else config
+
+
+def _num_workers(environ: Mapping[str, str]) -> int:
+    """Workers in this job: from TF_CONFIG, else the Slurm job step, else 1."""
+    config = _cluster_config(environ)
+    return 1 if config is None else config.num_workers
+
+
+def _build_multi_worker(
+    plan: StrategyPlan, config: cluster_lib.ClusterConfig | None
+) -> tf.distribute.Strategy:
+    """MultiWorkerMirroredStrategy that fails plainly when the workers cannot meet.
+
+    While the constructor waits for the other workers: a start-up deadline
+    (`plan.startup_timeout`, through TensorFlow's coordination service), and
+    TensorFlow's errors become `tfdp.distribute.startup.StartupError`s naming the
+    workers that did not answer (see `tfdp.distribute.startup`).
+    """
+    from tfdp._upstream import coordination
+
+    if config is not None and plan.startup_timeout is not None:
+        coordination.configure_startup_deadline(
+            config.cluster, config.task_type, plan.startup_timeout)
+    with startup.explain_startup_failure(config, plan.startup_timeout):
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=_cluster_resolver(os.environ),
+            communication_options=_communication_options(plan),
+        )
+
+
+def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
+    """Builds the TensorFlow strategy `plan` describes; logs its fallbacks."""
+    for warning in plan.warnings:
+        logging.warning("tfdp.make_strategy: %s", warning)
+    if plan.kind == "default":
+        return tf.distribute.get_strategy()
+    if plan.kind == "one_device":
+        return tf.distribute.OneDeviceStrategy(plan.devices[0])
+    if plan.kind == "multi_worker":
+        config = _cluster_config(os.environ)
+        # In a second, before the Keras fixes below are imported.
+        startup.check_own_port(config)
+    # Imported here: only strategies that all-reduce with collectives need
+    # the fixes, and only they pay for importing Keras internals.
+    from tfdp._upstream import keras_multi_worker
+
+    if plan.kind == "mirrored":
+        from tfdp._upstream import strategy_internals
+
+        # MirroredStrategy all-reduces with collectives on CPUs, which hit the
+        # tf.cond capture bug under steps_per_execution > 1 too.
+        keras_multi_worker.apply()
+        devices = None if plan.devices is None else list(plan.devices)
+        strategy_internals.reserve_collective_keys()
+        return tf.distribute.MirroredStrategy(
+            devices=devices, cross_device_ops=_cross_device_ops(plan)
+        )
+    keras_multi_worker.apply()
+    return _build_multi_worker(plan, config)
+
+
+def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
+    """`plan_strategy` for this host's GPUs and this job's cluster.
+
+    Reads the physical GPU list (without initialising TensorFlow's devices),
+    TF_CONFIG or the Slurm environment (validating TF_CONFIG), and
+    `TFDP_STARTUP_TIMEOUT` when `startup_timeout` is not given. Lets a
+    program check batch sizes against `plan.num_replicas` before
+    `make_strategy` starts any collective.
+
+    Args:
+        kind: see `make_strategy`.
+        **kwargs: `make_strategy`'s other arguments.
+
+    Returns:
+        A `StrategyPlan`.
+
+    Raises:
+        ValueError: as `plan_strategy`, or `TFDP_STARTUP_TIMEOUT` is not a
+            positive number of seconds.
+    """
+    kwargs["startup_timeout"] = startup.resolve_startup_timeout(kwargs.get("startup_timeout"))
+    return plan_strategy(
+        kind,
+        num_gpus=len(tf.config.list_physical_devices("GPU")),
+        num_workers=_num_workers(os.environ),
+        **kwargs,
+    )
+
+
+def make_strategy(
+    kind: str = "auto",
+    *,
+    cpu_replicas: int | None = None,
+    cross_device_ops: str = "auto",
+    communication: str = "auto",
+    bytes_per_pack: int | None = None,
+    timeout_seconds: float | None = None,
+    num_packs: int = 1,
+    startup_timeout: float | None = None,
+) -> tf.distribute.Strategy:
+    """Builds the distribution strategy for this host and cluster.
+
+    Call it once, at the start of the program, before any other TensorFlow
+    work (MultiWorkerMirroredStrategy and `cpu_replicas` both configure the
+    TensorFlow runtime). Arguments are validated before anything is built, so
+    a bad value fails in a second rather than in a hung cluster.
+
+    Args:
+        kind: `"auto"` (default) picks MultiWorkerMirroredStrategy when
+            TF_CONFIG or a Slurm job describes more than one worker,
+            MirroredStrategy when there is more than one local GPU or
+            `cpu_replicas > 1`, else the default strategy. Or one of
+            `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`.
+        cpu_replicas: split the CPU into this many logical devices and
+            mirror over them (for running multi-replica code without GPUs).
+            Defaults to `None`: one CPU device.
+        cross_device_ops: MirroredStrategy's all-reduce: `"auto"` (NCCL on
+            several GPUs, ring collectives on CPUs), `"nccl"`,
+            `"hierarchical_copy"`, `"reduce_to_one"` or `"collective"`.
+            NCCL and hierarchical copy fall back to ring collectives, with one
+            logged warning, where there are no GPUs.
+        communication: MultiWorkerMirroredStrategy's collectives: `"auto"`,
+            `"nccl"` (falls back to `"ring"` with a warning without GPUs) or
+            `"ring"`.
+        bytes_per_pack: MultiWorkerMirroredStrategy: all-reduce gradients in
+            packs of at least this many bytes; 0 is TensorFlow's default (one
+            pack). Defaults to `None`: 4 MiB on workers without GPUs (faster
+            and steadier over gRPC; see `CPU_BYTES_PER_PACK`), 0 on GPU
+            workers.
+        timeout_seconds: MultiWorkerMirroredStrategy: fail a collective that
+            takes longer than this many seconds (a dead or stuck peer) instead
+            of waiting forever. Defaults to `None`.
+        num_packs: MirroredStrategy with `"nccl"` or `"hierarchical_copy"`:
+            number of packs gradients are concatenated into. Defaults to 1.
+        startup_timeout: MultiWorkerMirroredStrategy: seconds every worker
+            waits for all the others to start before failing with the
+            addresses that did not answer. Defaults to `None`: the
+            `TFDP_STARTUP_TIMEOUT` environment variable, else 120 s.
+
+    Returns:
+        A `tf.distribute.Strategy`. On the chief, its `strategy_info` is
+        logged once.
+
+    Raises:
+        ValueError: an argument is invalid or contradicts the cluster, or
+            TF_CONFIG is malformed (the message names the field).
+        RuntimeError: `cpu_replicas` was asked for after TensorFlow had
+            already initialised its devices.
+        tfdp.distribute.startup.StartupError: MultiWorkerMirroredStrategy: this
+            worker's port is in use, or other workers did not answer within
+            `startup_timeout` (the message names their addresses).
+
+    Example:
+
+    >>> strategy = tfdp.make_strategy(cpu_replicas=2)  # doctest: +SKIP
+    >>> with strategy.scope():                          # doctest: +SKIP
+    ...     model = build_model()
+    ...     model.compile(optimizer="sgd", loss="mse")
+    """
+    plan = plan_from_environment(
+        kind,
+        cpu_replicas=cpu_replicas,
+        cross_device_ops=cross_device_ops,
+        num_packs=num_packs,
+        communication=communication,
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+        startup_timeout=startup_timeout,
+    )
+    if plan.kind == "mirrored" and plan.devices is not None:
+        configure_cpu_devices(len(plan.devices))
+    strategy = build_strategy(plan)
+    info = strategy_info(strategy)
+    if info.is_chief:
+        logging.info("tfdp strategy: %s", info.describe())
+    return strategy
+
+
+def check_jit_compile_supported(strategy: tf.distribute.Strategy) -> None:
+    """Raises when XLA cannot compile a train step under `strategy`.
+
+    Two TensorFlow limitations, both on CPU devices:
+
+    - a MirroredStrategy over several CPU devices fails at run time with
+      "Trying to access resource ... located in device CPU:1 from device
+      CPU:0" (https://www.tensorflow.org/xla/known_issues#tfvariable_on_a_different_device);
+      Keras' own `jit_compile=True` fails the same way;
+    - a MultiWorkerMirroredStrategy on CPU workers fails at its first step with
+      "UnimplementedError: Collectives are not yet implemented for CPU devices
+      when compiling with XLA" (TensorFlow 2.21, b/194942685), and the peers
+      then fail with "Collective ops is aborted".
+
+    One device, and GPUs under either strategy, are fine.
+
+    Raises:
+        ValueError: `strategy` all-reduces between CPU devices.
+    """
+    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not isinstance(strategy, mirrored):
+        return  # default, OneDeviceStrategy
+    devices = tuple(strategy.extended.worker_devices)
+    on_cpu = any("CPU" in d.upper() for d in devices)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if on_cpu and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "jit_compile=True cannot run on a MultiWorkerMirroredStrategy over CPU "
+                "workers: XLA has no CPU implementation of the collectives that "
+                "all-reduce the gradients (TensorFlow limitation, b/194942685). Use "
+                "jit_compile=False here; XLA works on GPU workers and on one device."
+            )
+        return
+    if len(devices) > 1 and on_cpu:
+        raise ValueError(
+            f"jit_compile=True cannot run on a MirroredStrategy over {len(devices)} CPU "
+            f"devices: XLA cannot reach variables on another logical CPU device "
+            f"(TensorFlow limitation). Use jit_compile=False here; XLA works on GPUs "
+            f"and on one device."
+        )
+
+
+def _public_name(strategy: tf.distribute.Strategy) -> str:
+    """The name users know the strategy by (`tf.distribute.<name>`)."""
+    for name in ("MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy"):
+        if isinstance(strategy, getattr(tf.distribute, name)):
+            return name
+    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        return "default"
+    return type(strategy).__name__
+
+
+def _local_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
+    try:
+        return tuple(strategy.extended.worker_devices)
+    except RuntimeError:
+        # The default strategy has no device list: it places ops where
+        # TensorFlow would without a strategy, the first GPU or the CPU.
+        gpus = tf.config.list_logical_devices("GPU")
+        return ((gpus or tf.config.list_logical_devices("CPU"))[0].name,)
+
+
+def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
+    """Summarises `strategy` (default: the current one) for logs and records.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`; defaults to
+            `tf.distribute.get_strategy()`.
+
+    Returns:
+        A frozen `StrategyInfo`.
+    """
+    from tfdp._upstream import strategy_internals
+
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    num_workers, worker_index, is_chief = 1, 0, True
+    if resolver is not None and resolver.cluster_spec().jobs:
+        spec = resolver.cluster_spec()
+        num_chiefs = spec.num_tasks("chief") if "chief" in spec.jobs else 0
+        num_workers = num_chiefs + (
+            spec.num_tasks("worker") if "worker" in spec.jobs else 0
+        )
+        task_type, task_id = resolver.task_type, resolver.task_id or 0
+        worker_index = task_id + (num_chiefs if task_type == "worker" else 0)
+        is_chief = bool(strategy.extended.should_checkpoint)
+    return StrategyInfo(
+        strategy=_public_name(strategy),
+        num_workers=num_workers,
+        worker_index=worker_index,
+        is_chief=is_chief,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        devices=_local_devices(strategy),
+        all_reduce=strategy_internals.all_reduce_name(strategy),
+    )

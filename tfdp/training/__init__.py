@@ -1,0 +1,13 @@
+"""tfdp's training wing: one optimizer step on one global batch, on every replica alike.
+
+- `batch`: per-replica × replicas × accumulation = global batch;
+- `accumulation`: micro-batches and `tfdp.compile` for `model.fit`;
+- `nonfinite`: skipping NaN/Inf steps everywhere alike;
+- `trainer`: `tfdp.Trainer`, the custom loop that resumes exactly;
+- `checkpointing`: chief-only checkpoint writes;
+- `lr_schedules`: LR scaling with the batch, and warmup;
+- `optimizers`: LARS and LAMB (public as `tfdp.optimizers`);
+- `callbacks`: `BackupAndRestore` for `fit` (public as `tfdp.callbacks`).
+
+It builds on the runtime wing (`tfdp.distribute`) and never the other way round.
+"""

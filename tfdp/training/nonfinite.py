@@ -1,0 +1,606 @@
+"""Training steps with a NaN or Inf loss or gradient: skipped everywhere alike.
+
+This module owns what happens to such a step, under every `tf.distribute`
+strategy:
+
+- **the decision**, the same on every replica and worker. The optimizer
+  wrappers here all-reduce the gradients themselves (the one all-reduce the
+  step has anyway), check the *summed* gradients, and only then let the
+  wrapped optimizer apply them (`tfdp._upstream.keras_optimizer_reduction`).
+  A NaN or Inf on any replica is in the sum every replica receives, and every
+  TensorFlow all-reduce hands every replica the same sum, so all of them take
+  the same branch: no extra collective, and a worker never waits alone in a
+  collective the others skipped. The branch is a `tf.cond` in cross-replica
+  context (through `merge_call`, as Keras' `LossScaleOptimizer._tf_apply`
+  does), because Keras cannot run `apply_gradients` inside a `tf.cond` in
+  replica context under MirroredStrategy (keras-team/keras#20582). A
+  non-finite *loss* is folded into one gradient by `fold_loss_into_gradients`
+  (tfdp's own train steps do this), so it is caught by the same check.
+- **counting**: a skipped step leaves the weights, the optimizer slots and
+  `optimizer.iterations` unchanged (so learning-rate schedules and
+  `iterations` count applied updates only) and adds one to the wrapper's
+  `skipped_steps` and `consecutive_skipped_steps` variables, which are
+  optimizer variables and so are checkpointed and restored with it.
+- **stopping**: after `max_consecutive_nonfinite` skips in a row the wrapper
+  applies nothing more (it is "exhausted"), and `StepMonitor.check`, which the
+  training loop calls after each `tf.function` call, raises `NonFiniteError`
+  naming the steps and the usual fixes. Every worker reads the same counters
+  and so raises at the same point.
+- **checkpoints**: `check_finite_before_save` refuses to save non-finite
+  weights (which can still arise from finite gradients that overflow a
+  weight, or with `nonfinite=None`).
+
+It does not own when steps run or checkpoints are saved (`tfdp.Trainer`,
+`tfdp.compile` with `tfdp.callbacks.BackupAndRestore`).
+
+Not undone by a skip: what the forward pass itself updates (metrics,
+`BatchNormalization` moving statistics, any layer state assigned in `call`).
+The skipped step's loss enters the logged mean (NaN), and a NaN input leaves
+NaN moving statistics, which `check_finite_before_save` then refuses to save.
+
+Cost per optimizer step: no collective; one `is_finite` reduction over the
+summed gradients (one read of them, like one elementwise op) and a `tf.cond`.
+Gradient clipping (`clipnorm`, `global_clipnorm`) of the wrapped optimizer
+then applies to the summed gradient, as on one device, instead of each
+replica's share as Keras' own `apply` under a strategy does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfdp.distribute import reduction
+from tfdp._upstream import keras_optimizer_reduction
+from tfdp._upstream import loss_scale
+
+#: Values of the `nonfinite` argument of `tfdp.Trainer` and `tfdp.compile`
+#: (`None` turns the handling off).
+MODES = ("skip", "raise")
+#: Default `max_consecutive_nonfinite`.
+DEFAULT_MAX_CONSECUTIVE = 10
+
+_FIXES = (
+    "Lower the learning rate (or warm it up), enable loss scaling for float16 "
+    "(the mixed_float16 policy does it), clip gradients, or look for NaN/Inf in "
+    "the input (e.g. map tf.debugging.check_numerics over the dataset)."
+)
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped: too many non-finite steps in a row, or non-finite weights."""
+
+
+def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None) -> None:
+    """Validates `nonfinite`, `max_consecutive_nonfinite` and `all_reduce_dtype`.
+
+    Raises:
+        ValueError: one is invalid, or `all_reduce_dtype` is set with
+            `nonfinite=None` (the reduction belongs to the wrappers here).
+    """
+    reduction.check_all_reduce_dtype(all_reduce_dtype)
+    if nonfinite is None and all_reduce_dtype is not None:
+        raise ValueError(
+            f"all_reduce_dtype={all_reduce_dtype!r} needs tfdp's gradient reduction, "
+            "which comes with its non-finite step handling. Use nonfinite='skip' "
+            "(the default) or 'raise', or drop all_reduce_dtype."
+        )
+    if nonfinite is not None and nonfinite not in MODES:
+        raise ValueError(
+            "`nonfinite` must be 'skip' (skip and count a step whose loss or gradients "
+            "are not finite; stop after max_consecutive_nonfinite in a row), 'raise' "
+            "(stop at the first) or None (no handling). "
+            f"Received: nonfinite={nonfinite!r}"
+        )
+    if (
+        isinstance(max_consecutive_nonfinite, bool)
+        or not isinstance(max_consecutive_nonfinite, int)
+        or max_consecutive_nonfinite < 1
+    ):
+        raise ValueError(
+            "`max_consecutive_nonfinite` must be a positive integer. "
+            f"Received: max_consecutive_nonfinite={max_consecutive_nonfinite!r}"
+        )
+
+
+def _all_finite(gradients: Sequence[tf.Tensor]) -> tf.Tensor:
+    checks = []
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = gradient.values
+        checks.append(tf.reduce_all(tf.math.is_finite(gradient)))
+    return tf.reduce_all(tf.stack(checks))
+
+
+def _divide(gradient, scale):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            gradient.values / tf.cast(scale, gradient.values.dtype),
+            gradient.indices,
+            gradient.dense_shape,
+        )
+    return gradient / tf.cast(scale, gradient.dtype)
+
+
+class _SkipNonFinite:
+    """The guarded `apply`; subclasses say what a finite step and a skip do.
+
+    Needs `inner_optimizer`, `max_consecutive_nonfinite` and the counters that
+    `_build_counters` creates; `all_reduce_dtype` (see `tfdp.distribute.reduction`) is
+    the dtype gradients are summed in, `None` for their own.
+    """
+
+    all_reduce_dtype: str | None = None
+
+    def _build_counters(self) -> None:
+        # aggregation="none": every replica computes the same value, and each
+        # updates its own copy without a collective (as Keras' loss scale).
+        self.skipped_steps = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", aggregation="none",
+            name="skipped_steps",
+        )
+        self.consecutive_skipped_steps = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", aggregation="none",
+            name="consecutive_skipped_steps",
+        )
+
+    def _exhausted(self) -> tf.Tensor:
+        return self.consecutive_skipped_steps >= self.max_consecutive_nonfinite
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "Pass `trainable_variables` to the first apply(), or build the "
+                    "optimizer first with optimizer.build(trainable_variables)."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if not pairs:
+            return
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            raise ValueError(f"{type(self).__name__}.apply() must be called in a replica context.")
+        reduced = context.num_replicas_in_sync > 1
+        if reduced:
+            grads = reduction.all_reduce_sum(context, grads, self.all_reduce_dtype)
+        # The same value on every replica and worker: computed from the same sums.
+        proceed = tf.logical_and(_all_finite(grads), tf.logical_not(self._exhausted()))
+
+        def apply_step(grads):
+            if reduced:
+                with keras_optimizer_reduction.gradients_already_reduced(self.inner_optimizer):
+                    self._apply_finite(grads, variables)
+            else:
+                self._apply_finite(grads, variables)
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(proceed, lambda: apply_step(grads), self._skip)
+            return
+
+        def cross_replica(distribution, grads, proceed):
+            # Keras' update merge_calls, which cannot sit in a tf.cond in
+            # replica context: branch here, in cross-replica context.
+            proceed = distribution.experimental_local_results(proceed)[0]
+            tf.cond(
+                proceed,
+                lambda: distribution.extended.call_for_each_replica(apply_step, args=(grads,)),
+                self._skip,
+            )
+
+        context.merge_call(cross_replica, args=(grads, proceed))
+
+    def _count_skip(self, counts_in_a_row) -> None:
+        live = tf.logical_not(self._exhausted())
+        self.skipped_steps.assign_add(tf.cast(live, "int64"))
+        self.consecutive_skipped_steps.assign_add(
+            tf.cast(tf.logical_and(live, counts_in_a_row), "int64")
+        )
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
+    """Wraps an optimizer; a step with non-finite gradients is skipped on every replica.
+
+    A skipped step changes nothing but the counters: not the weights, not the
+    slots, not `iterations` (which is the wrapped optimizer's, as are
+    `learning_rate` and `scale_loss`).
+
+    Args:
+        inner_optimizer: the Keras optimizer that applies finite steps; must
+            not set Keras' `gradient_accumulation_steps`.
+        max_consecutive_nonfinite: after this many skipped steps in a row, no
+            further step is applied (training should stop: `StepMonitor`).
+            Defaults to 10.
+        name: the wrapper's name. Defaults to `"nonfinite_guard"`.
+        all_reduce_dtype: `None` (default) sums gradients over replicas in
+            their own dtype; `"bfloat16"` sends half the bytes
+            (`tfdp.distribute.reduction`).
+
+    Attributes:
+        skipped_steps: int64 variable, steps skipped so far.
+        consecutive_skipped_steps: int64 variable, skipped since the last
+            applied step.
+
+    Raises:
+        ValueError: `max_consecutive_nonfinite` is not a positive integer, or
+            the inner optimizer accumulates gradients itself.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
+        name: str | None = None,
+        all_reduce_dtype: str | None = None,
+        **kwargs,
+    ):
+        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
+        if getattr(inner_optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
+                "NonFiniteGuard cannot wrap; accumulate with tfdp (accum_steps) instead."
+            )
+        if kwargs:
+            raise ValueError(f"NonFiniteGuard does not support arguments: {sorted(kwargs)}.")
+        super().__init__(learning_rate=0.0, name=name or "nonfinite_guard")
+        self.inner_optimizer = inner_optimizer
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.all_reduce_dtype = all_reduce_dtype
+
+    def build(self, var_list):
+        self._build_counters()
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    def _apply_finite(self, grads, variables):
+        self.inner_optimizer.apply(grads, variables)
+        self.consecutive_skipped_steps.assign(0)
+
+    def _skip(self):
+        self._count_skip(True)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise ValueError("NonFiniteGuard runs on the TensorFlow backend only (no stateless_apply).")
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+            "all_reduce_dtype": self.all_reduce_dtype,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer):
+    """tfdp's `LossScaleOptimizer` (for `mixed_float16`) that counts and bounds skips.
+
+    As `keras.optimizers.LossScaleOptimizer`: a step whose scaled gradients
+    overflow is skipped and halves the loss scale; `dynamic_growth_steps`
+    finite steps in a row double it. The decision is taken from the summed
+    gradients, like `NonFiniteGuard` (no extra collective). Every skip counts
+    in `skipped_steps`; it counts toward `consecutive_skipped_steps` (and its
+    limit) only when the loss scale was already at most 1: above that, an
+    overflow is the scale adjusting, which a lower scale fixes. A NaN that no
+    scale fixes therefore stops training after about log2(scale) +
+    `max_consecutive_nonfinite` steps.
+
+    Args:
+        inner_optimizer, initial_scale, dynamic_growth_steps, name: as for
+            `keras.optimizers.LossScaleOptimizer`.
+        max_consecutive_nonfinite: as for `NonFiniteGuard`. Defaults to 10.
+        all_reduce_dtype: as for `NonFiniteGuard`. Defaults to `None`.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        name=None,
+        max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
+        all_reduce_dtype: str | None = None,
+        **kwargs,
+    ):
+        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
+        super().__init__(
+            inner_optimizer, initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
+        )
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.all_reduce_dtype = all_reduce_dtype
+
+    def build(self, var_list):
+        self._build_counters()
+        super().build(var_list)
+
+    def _apply_finite(self, grads, variables):
+        scale = self.dynamic_scale
+        unscaled = [
+            g if getattr(v, "overwrite_with_gradient", False) else _divide(g, scale)
+            for g, v in zip(grads, variables)
+        ]
+        self.inner_optimizer.apply(unscaled, variables)
+
+        def grow():
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(self.dynamic_scale * 2.0)
+
+        def count():
+            self.step_counter.assign_add(1)
+
+        tf.cond(tf.equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count)
+        self.consecutive_skipped_steps.assign(0)
+
+    def _skip(self):
+        live = tf.logical_not(self._exhausted())
+        self._count_skip(self.dynamic_scale <= 1.0)
+        self.step_counter.assign(0)
+        self.dynamic_scale.assign(
+            tf.where(live, self.dynamic_scale * 0.5, tf.convert_to_tensor(self.dynamic_scale))
+        )
+
+    def get_config(self):
+        return {**super().get_config(), "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+                "all_reduce_dtype": self.all_reduce_dtype}
+
+
+def wrap_optimizer(
+    optimizer,
+    *,
+    nonfinite: str | None,
+    max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
+    loss_scaling: bool = False,
+    all_reduce_dtype: str | None = None,
+):
+    """The optimizer to train with, for a `nonfinite` mode.
+
+    Call inside `strategy.scope()`.
+
+    Args:
+        optimizer: a Keras optimizer instance or name, possibly a Keras or
+            tfdp `LossScaleOptimizer` (its inner optimizer, initial scale and
+            growth steps are kept), or a wrapper from this module (returned as
+            it is).
+        nonfinite: `"skip"`, `"raise"` (a limit of 1) or `None` (no wrapper
+            beyond loss scaling).
+        max_consecutive_nonfinite: skipped steps in a row that stop training.
+        loss_scaling: use dynamic loss scaling (the `mixed_float16` policy).
+        all_reduce_dtype: the dtype gradients are summed over replicas in
+            (`tfdp.distribute.reduction`); `None` for their own. Needs a wrapper, so not
+            with `nonfinite=None`.
+
+    Returns:
+        `NonFiniteLossScaleOptimizer` under loss scaling, else `NonFiniteGuard`
+        (`None` mode: tfdp's `LossScaleOptimizer` or `optimizer` itself).
+
+    Raises:
+        ValueError: an argument is invalid, or `all_reduce_dtype` is set with
+            `nonfinite=None`.
+    """
+    check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
+    optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, _SkipNonFinite):
+        if all_reduce_dtype is not None:
+            optimizer.all_reduce_dtype = all_reduce_dtype
+        return optimizer
+    loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if nonfinite is None:
+        return loss_scale.with_consistent_loss_scaling(optimizer) if loss_scaling else optimizer
+    limit = 1 if nonfinite == "raise" else max_consecutive_nonfinite
+    if not loss_scaling:
+        return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit,
+                              all_reduce_dtype=all_reduce_dtype)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return NonFiniteLossScaleOptimizer(
+            optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name,
+            max_consecutive_nonfinite=limit, all_reduce_dtype=all_reduce_dtype,
+        )
+    return NonFiniteLossScaleOptimizer(
+        optimizer, name="loss_scale_optimizer", max_consecutive_nonfinite=limit,
+        all_reduce_dtype=all_reduce_dtype,
+    )
+
+
+def guard_of(optimizer) -> _SkipNonFinite | None:
+    """`optimizer` if it skips non-finite steps (a wrapper from here), else `None`."""
+    return optimizer if isinstance(optimizer, _SkipNonFinite) else None
+
+
+def fold_loss_into_gradients(loss: tf.Tensor, variables: Sequence[tf.Variable]) -> tf.Tensor:
+    """`loss` plus a term that is 0, with gradient NaN when `loss` is not finite.
+
+    A non-finite loss usually makes the gradients non-finite, but not always
+    (a term that does not depend on the weights). The added term's gradient
+    with respect to the smallest variable is 0 when `loss` is finite (so no
+    gradient changes) and NaN otherwise, which the wrapper then sees in the
+    summed gradients. Call it inside the gradient tape.
+
+    Args:
+        loss: the scalar loss to differentiate.
+        variables: the variables the gradients are taken of.
+
+    Returns:
+        The loss to differentiate instead (equal to `loss`).
+    """
+    smallest = min(variables, key=lambda v: math.prod(v.shape))
+    flag = tf.where(tf.math.is_finite(loss), tf.zeros_like(loss), tf.fill(tf.shape(loss), math.nan))
+    return loss + flag * tf.cast(tf.reduce_sum(smallest), loss.dtype)
+
+
+def non_finite_variables(variables: Iterable) -> list[str]:
+    """Paths (or names) of the floating-point variables holding a NaN or an Inf.
+
+    Reads every variable once (a read of a sync-on-read variable joins a
+    collective under MultiWorkerMirroredStrategy: call it on every worker).
+    """
+    variables = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
+    if not variables:
+        return []
+    finite = tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(v))) for v in variables])
+    return [getattr(v, "path", None) or v.name for v, ok in zip(variables, finite.numpy()) if not ok]
+
+
+def check_finite_before_save(variables: Iterable, *, step: int, owner: str, last_saved=None) -> None:
+    """Raises `NonFiniteError` instead of letting non-finite weights be saved.
+
+    Args:
+        variables: what the checkpoint would hold (model weights, optimizer
+            variables).
+        step: the step the save is for.
+        owner: who saves, for the message (e.g. `"tfdp trainer"`).
+        last_saved: the newest checkpoint already written, for the message.
+
+    Raises:
+        NonFiniteError: some variable is not finite; nothing was written.
+    """
+    bad = non_finite_variables(variables)
+    if not bad:
+        return
+    kept = f"; the newest checkpoint is still {last_saved}" if last_saved else ""
+    raise NonFiniteError(
+        f"{owner}: not saving the checkpoint of step {step}: {len(bad)} variable(s) hold "
+        f"NaN or Inf (first: {bad[0]!r}){kept}. The weights overflowed from finite "
+        f"gradients, or non-finite steps were applied (nonfinite=None). {_FIXES}"
+    )
+
+
+class StepMonitor:
+    """Reads a wrapper's counters after each training call; logs skips, raises at the limit.
+
+    Args:
+        guard: the wrapper (`guard_of(optimizer)`).
+        owner: who trains, for messages (e.g. `"tfdp trainer"`).
+        log: log skipped steps (the chief only). Defaults to True.
+    """
+
+    def __init__(self, guard: _SkipNonFinite, *, owner: str, log: bool = True):
+        self._guard = guard
+        self._owner = owner
+        self._log = log
+        self._last_skipped: int | None = None
+
+    def _read(self) -> tuple[int, int, int]:
+        guard = self._guard
+        if not guard.built:  # fit builds it in its first step
+            return 0, 0, 0
+        return (
+            int(keras.ops.convert_to_numpy(guard.skipped_steps)),
+            int(keras.ops.convert_to_numpy(guard.consecutive_skipped_steps)),
+            int(keras.ops.convert_to_numpy(guard.iterations)),
+        )
+
+    def prime(self) -> None:
+        """Takes the current counts as the baseline for `check`'s log lines."""
+        self._last_skipped = self._read()[0]
+
+    def check(self) -> int:
+        """Logs new skips and stops at the limit; returns the step count.
+
+        Returns:
+            Training steps taken (`iterations` + `skipped_steps`: global
+            batches consumed, skipped ones included).
+
+        Raises:
+            NonFiniteError: `max_consecutive_nonfinite` steps in a row were
+                skipped.
+        """
+        skipped, consecutive, iterations = self._read()
+        step = iterations + skipped
+        if self._last_skipped is None:
+            self._last_skipped = skipped
+        if skipped > self._last_skipped and self._log:
+            logging.warning(
+                "%s: skipped %d step(s) with a non-finite loss or gradient by step %d "
+                "(%d in a row, %d in all); their updates were not applied and "
+                "optimizer.iterations did not advance.",
+                self._owner, skipped - self._last_skipped, step, consecutive, skipped,
+            )
+        self._last_skipped = skipped
+        limit = self._guard.max_consecutive_nonfinite
+        if consecutive >= limit:
+            first = step - consecutive + 1
+            raise NonFiniteError(
+                f"{self._owner}: {consecutive} training steps in a row (steps {first}-{step}, "
+                f"counting global batches from 1) had a non-finite (NaN or Inf) loss or "
+                f"gradient on some replica, reaching max_consecutive_nonfinite={limit}; none "
+                f"of them was applied, and training stopped. The weights are those after "
+                f"step {first - 1} ({skipped} step(s) skipped in all); no checkpoint with "
+                f"non-finite weights was written. {_FIXES}"
+            )
+        return step
+
+
+def install_fit_check(model: keras.Model, *, log: bool) -> None:
+    """Makes `model.fit` stop with `NonFiniteError` at the limit (and log skips).
+
+    Sets `model.train_function` to a function that builds the real one on
+    its first call (through `model.make_train_function(force=True)`: Keras'
+    own, or tfdp's replacement from `tfdp._upstream.keras_train_function`)
+    and, after every execution (`steps_per_execution` steps), reads the
+    optimizer's counters. Keras' `make_train_function` returns an existing
+    `train_function` as it is, and `compile` resets it. Call it right after
+    `model.compile`, with `model.optimizer` a wrapper from this module.
+
+    Args:
+        model: the compiled model.
+        log: log skipped steps (the chief only).
+    """
+    monitor = StepMonitor(guard_of(model.optimizer), owner="tfdp fit", log=log)
+    built = None
+
+    def checked(iterator):
+        nonlocal built
+        if built is None:
+            model.make_train_function(force=True)
+            built = model.train_function
+            model.train_function = checked
+            monitor.prime()  # after fit's on_train_begin, so after any restore
+        logs = built(iterator)
+        monitor.check()
+        return logs
+
+    model.train_function = checked

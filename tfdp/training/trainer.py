@@ -1,0 +1,641 @@
+"""A custom data-parallel training loop that resumes exactly.
+
+`Trainer` owns the inner loop (`strategy.run` of a replica step inside a
+`tf.function` that runs `steps_per_loop` optimizer steps per call) and the
+outer loop (epochs, logging, TensorBoard summaries, checkpoints, resuming).
+Gradient accumulation comes from `tfdp.training.accumulation`, batch arithmetic from
+`tfdp.training.batch`, chief-only checkpoint writing from `tfdp.training.checkpointing`, the
+save-and-exit on SIGTERM from `tfdp.distribute.preemption` (shared with the `fit`
+callback), skipping non-finite steps from `tfdp.training.nonfinite`; input pipelines are
+the caller's (`pipelines.make_dataset`, or any dataset).
+
+Resuming exactly. TensorFlow 2.21 cannot put a distributed iterator into a
+`tf.train.Checkpoint` (tensorflow/tensorflow#56372), so the input position is
+restored another way: the checkpoint holds the optimizer step and the number
+of skipped non-finite steps, whose sum is the number of global batches
+consumed; the epoch and the position inside it follow from `steps_per_epoch`;
+the dataset for an
+epoch is rebuilt (`dataset(epoch)` when `dataset` is a callable, whose order
+must depend only on its seed and the epoch) and the batches already consumed
+are skipped. A resumed run then sees each example exactly once per epoch and
+ends with the same weights as a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Sequence, Union
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfdp.training import accumulation
+from tfdp.training import checkpointing
+from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.distribute import preemption
+from tfdp.distribute import strategy as strategy_lib
+from tfdp.training import batch as batch_lib
+from tfdp.training.batch import BatchConfig
+
+DatasetLike = Union[tf.data.Dataset, tf.distribute.DistributedDataset, Any]
+DatasetSource = Union[DatasetLike, Callable[[int], DatasetLike]]
+
+
+def _per_example_loss_fn(loss) -> Callable[[Any, Any], tf.Tensor]:
+    """Turns a Keras loss (name, function or `Loss`) into y, y_pred -> [batch] losses."""
+    resolved = keras.losses.get(loss)
+    if resolved is None:
+        raise ValueError(f"`loss` must name or be a Keras loss. Received: loss={loss!r}")
+    if isinstance(resolved, keras.losses.Loss):
+        per_example = resolved.call  # unreduced, as Loss subclasses define it
+    else:
+        per_example = resolved
+
+    def fn(y, y_pred):
+        values = tf.convert_to_tensor(per_example(y, y_pred))
+        if values.shape.rank and values.shape.rank > 1:
+            # Keras' sum_over_batch_size averages over every element.
+            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        return values
+
+    return fn
+
+
+_ACCURACY_FOR_LOSS = {
+    "sparse_categorical_crossentropy": keras.metrics.SparseCategoricalAccuracy,
+    "categorical_crossentropy": keras.metrics.CategoricalAccuracy,
+    "binary_crossentropy": keras.metrics.BinaryAccuracy,
+}
+
+
+def _loss_name(loss) -> str:
+    """`"sparse_categorical_crossentropy"` for that loss's name, class or function."""
+    if isinstance(loss, str):
+        return loss
+    name = getattr(loss, "fn", None) or loss
+    name = getattr(name, "__name__", None) or type(loss).__name__
+    # SparseCategoricalCrossentropy -> sparse_categorical_crossentropy
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def _check_positive(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive integer{' or None' if allow_none else ''}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+class Trainer:
+    """Trains a Keras model data-parallel in a custom loop, resumable exactly.
+
+    Build the model (and any metric objects you pass) inside
+    `strategy.scope()`; the trainer creates the optimizer's slots there too.
+
+    **Steps.** A training step is one global batch. `train(steps=...)`,
+    epochs, `global_step`, `checkpoint_every` and checkpoint numbers count
+    training steps, skipped ones included; `optimizer.iterations` (and so
+    learning-rate schedules) counts the updates applied:
+    `global_step == optimizer.iterations + skipped_steps`.
+
+    **SIGTERM.** With a `model_dir`, a SIGTERM makes every worker save a
+    checkpoint after the same training step (the end of the `steps_per_loop`
+    call during which it arrived; under MultiWorkerMirroredStrategy the
+    workers agree on it through
+    `tf.distribute.experimental.PreemptionCheckpointHandler`, at most one call
+    later), only the chief writing to `model_dir`, and then the process exits
+    with status 42 (`tfdp.callbacks.PREEMPTION_EXIT_CODE`; `SystemExit` is
+    raised from `train`). Rerunning the same `train` call resumes from that
+    checkpoint exactly. `train` must run on the main thread for this.
+
+    **Non-finite steps.** With `nonfinite="skip"` (the default), a step whose
+    loss or gradients hold a NaN or Inf on any replica is skipped by every
+    replica and worker alike: weights, optimizer slots and
+    `optimizer.iterations` stay as they were, and `skipped_steps` counts it
+    (it is checkpointed). What the forward pass updates (metrics,
+    BatchNormalization moving statistics) is not undone. After
+    `max_consecutive_nonfinite` skipped steps in a row, `train` raises
+    `tfdp.training.nonfinite.NonFiniteError` naming the steps and the usual fixes.
+    `"raise"` stops at the first one (never applying it); `None` applies
+    whatever the gradients are (Keras' behaviour). In every
+    mode a checkpoint whose weights are not finite is never written (`train`
+    raises `NonFiniteError` instead). The decision costs no collective (see
+    `tfdp.training.nonfinite`).
+
+    Args:
+        model: a built Keras model whose variables were created in
+            `strategy.scope()`.
+        optimizer: a Keras optimizer instance created in `strategy.scope()`.
+            `Trainer.optimizer` wraps it: in `tfdp.training.nonfinite.NonFiniteGuard`
+            (`nonfinite` not `None`), or under the `mixed_float16` policy in a
+            `LossScaleOptimizer` whose replicas all skip a step when any
+            replica's gradients overflow (`NonFiniteLossScaleOptimizer`, or
+            `tfdp._upstream.loss_scale`'s with `nonfinite=None`).
+        loss: a Keras loss (name, function or `keras.losses.Loss`); its
+            per-example values are averaged over the global batch.
+        strategy: the `tf.distribute.Strategy` to train under.
+        batch: a `tfdp.BatchConfig`; `batch.num_replicas` must equal
+            `strategy.num_replicas_in_sync`. The dataset yields global batches
+            of `batch.global_batch` examples (or per-replica batches of
+            `batch.replica_batch`, for a distributed dataset).
+        metrics: Keras metric names or instances. Defaults to `None`.
+        model_dir: where the chief writes checkpoints and TensorBoard
+            summaries; `None` disables both (and resuming).
+        steps_per_loop: optimizer steps per `tf.function` call; larger values
+            cut Python overhead per step. Logging happens once per call.
+            Defaults to 1.
+        checkpoint_every: save a checkpoint every this many optimizer steps
+            (and always at the end). `None` (default) saves only at the end.
+        max_to_keep: checkpoints the chief keeps. Defaults to 3.
+        jit_compile: compile each train step with XLA. Defaults to `False`.
+        nonfinite: `"skip"`, `"raise"` or `None`: what a step with a
+            non-finite loss or gradient does (see above). Defaults to
+            `"skip"`.
+        max_consecutive_nonfinite: with `"skip"`, stop after this many
+            skipped steps in a row. Under `mixed_float16`, a skip counts
+            toward it only once the loss scale is down to 1 (see
+            `tfdp.training.nonfinite.NonFiniteLossScaleOptimizer`). Defaults to 10.
+        save_on_sigterm: save and exit 42 on SIGTERM (needs `model_dir`).
+            Defaults to `True`.
+        all_reduce_dtype: `None` (default) sums gradients over replicas in
+            their own dtype; `"bfloat16"` all-reduces half the bytes, each
+            sum rounded to about 3 significant digits (`tfdp.distribute.reduction`).
+            Not with `nonfinite=None`.
+
+    Raises:
+        ValueError: an argument is invalid, the batch does not match the
+            strategy, or the model was not built in `strategy.scope()`.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        *,
+        optimizer: keras.optimizers.Optimizer,
+        loss,
+        strategy: tf.distribute.Strategy,
+        batch: BatchConfig,
+        metrics: Sequence[Any] | None = None,
+        model_dir: str | None = None,
+        steps_per_loop: int = 1,
+        checkpoint_every: int | None = None,
+        max_to_keep: int = 3,
+        jit_compile: bool = False,
+        nonfinite: str | None = "skip",
+        max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
+        save_on_sigterm: bool = True,
+        all_reduce_dtype: str | None = None,
+    ):
+        if not isinstance(batch, BatchConfig):
+            raise TypeError(
+                f"`batch` must be a tfdp.BatchConfig, e.g. tfdp.BatchConfig.from_global("
+                f"global_batch, strategy.num_replicas_in_sync). Received: batch={batch!r}"
+            )
+        if batch.num_replicas != strategy.num_replicas_in_sync:
+            raise ValueError(
+                f"`batch.num_replicas` ({batch.num_replicas}) must equal the strategy's "
+                f"replicas in sync ({strategy.num_replicas_in_sync}). Build it with "
+                f"tfdp.BatchConfig.from_global({batch.global_batch}, "
+                f"{strategy.num_replicas_in_sync}, accum_steps={batch.accum_steps}) to keep "
+                f"the global batch, or BatchConfig({batch.per_replica}, "
+                f"{strategy.num_replicas_in_sync}, {batch.accum_steps}) to keep the "
+                f"per-replica batch."
+            )
+        _check_positive("steps_per_loop", steps_per_loop)
+        _check_positive("checkpoint_every", checkpoint_every, allow_none=True)
+        _check_positive("max_to_keep", max_to_keep)
+        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
+        if jit_compile:
+            strategy_lib.check_jit_compile_supported(strategy)
+        if not model.built or not model.trainable_variables:
+            raise ValueError(
+                "`model` must be built (give it an Input or call it once) and have "
+                "trainable weights before it is handed to Trainer."
+            )
+        outside = [
+            v.path for v in model.variables
+            if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))
+        ]
+        if outside:
+            raise ValueError(
+                f"`model` was built outside `strategy.scope()` (e.g. variable "
+                f"{outside[0]!r}). Create the model inside `with strategy.scope():`."
+            )
+        if isinstance(optimizer, str) or not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "`optimizer` must be a keras.optimizers.Optimizer instance, e.g. "
+                f"keras.optimizers.SGD(0.1). Received: optimizer={optimizer!r}"
+            )
+
+        self.model = model
+        self.strategy = strategy
+        self.batch = batch
+        self.model_dir = model_dir
+        self.steps_per_loop = steps_per_loop
+        self.checkpoint_every = checkpoint_every
+        self.info = strategy_lib.strategy_info(strategy)
+        self._per_example_loss = _per_example_loss_fn(loss)
+        self._loss_name = _loss_name(loss)
+
+        if not strategy.extended.variable_created_in_scope(
+            getattr(optimizer.iterations, "value", optimizer.iterations)
+        ):
+            raise ValueError(
+                "`optimizer` was created outside `strategy.scope()` (a Keras optimizer "
+                "binds to the strategy current when it is constructed). Create it inside "
+                "`with strategy.scope():`."
+            )
+        with strategy.scope():
+            # Under mixed_float16, a LossScaleOptimizer whose replicas agree
+            # on skipping a step (tfdp._upstream.loss_scale, tfdp.training.nonfinite).
+            optimizer = nonfinite_lib.wrap_optimizer(
+                optimizer, nonfinite=nonfinite,
+                max_consecutive_nonfinite=max_consecutive_nonfinite,
+                loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
+                all_reduce_dtype=all_reduce_dtype,
+            )
+            optimizer.build(model.trainable_variables)
+            self._train_loss = keras.metrics.Mean(name="loss")
+            self._eval_loss = keras.metrics.Mean(name="loss")
+            self._train_metrics = [self._metric(m) for m in metrics or ()]
+            self._eval_metrics = [self._metric(m, copy=True) for m in metrics or ()]
+        self.optimizer = optimizer
+        self._guard = nonfinite_lib.guard_of(optimizer)
+        self._monitor = self._guard and nonfinite_lib.StepMonitor(
+            self._guard, owner="tfdp trainer", log=self.info.is_chief
+        )
+        self.save_on_sigterm = bool(save_on_sigterm)
+
+        self._checkpoint = None
+        self._checkpoints = None
+        self._last_saved_step = None
+        self._summary_writer = None
+        if model_dir is not None:
+            self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+            self._checkpoints = checkpointing.ChiefCheckpointManager(
+                self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep
+            )
+            if self.info.is_chief:
+                self._summary_writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
+
+        # As Keras does: XLA compiles the whole `strategy.run` of one step.
+        self._step = tf.function(self._step_fn, jit_compile=True) if jit_compile else self._step_fn
+        self._train_loop = tf.function(self._train_loop_fn)
+        self._skip_loop = tf.function(self._skip_loop_fn)
+        self._eval_step = tf.function(self._eval_step_fn)
+
+    # --- construction helpers -------------------------------------------
+
+    def _metric(self, metric, copy: bool = False):
+        if isinstance(metric, str):
+            if metric in ("accuracy", "acc"):
+                # As model.compile does: pick the accuracy that fits the loss.
+                return _ACCURACY_FOR_LOSS.get(self._loss_name, keras.metrics.CategoricalAccuracy)(
+                    name="accuracy"
+                )
+            return keras.metrics.get(metric)
+        if not isinstance(metric, keras.metrics.Metric):
+            raise TypeError(
+                f"`metrics` entries must be metric names or keras.metrics.Metric "
+                f"instances. Received: {metric!r}"
+            )
+        if copy:
+            return type(metric).from_config(metric.get_config())
+        if metric.variables and not self.strategy.extended.variable_created_in_scope(
+            getattr(metric.variables[0], "value", metric.variables[0])
+        ):
+            raise ValueError(
+                f"Metric {metric.name!r} was created outside `strategy.scope()`; its "
+                f"state would not be aggregated over replicas. Create it inside the "
+                f"scope, or pass its name instead."
+            )
+        return metric
+
+    # --- replica steps ----------------------------------------------------
+
+    def _replica_train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.model.trainable_variables
+        global_batch = float(self.batch.global_batch)
+        # Regularisation: once per optimizer step in total, over every
+        # replica and micro-batch.
+        regularization_share = 1.0 / (self.batch.num_replicas * self.batch.accum_steps)
+
+        def micro_batch_loss(micro_batch):
+            mx, my, msw = micro_batch
+            y_pred = self.model(mx, training=True)
+            per_example = tf.cast(self._per_example_loss(my, y_pred), tf.float32)
+            weights = tf.ones_like(per_example) if msw is None else tf.cast(msw, tf.float32)
+            loss = tf.reduce_sum(per_example * weights) / global_batch
+            if self.model.losses:
+                loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * (
+                    regularization_share
+                )
+            self._train_loss.update_state(per_example, sample_weight=weights)
+            for metric in self._train_metrics:
+                metric.update_state(my, y_pred, sample_weight=msw)
+            if self._guard is not None:  # a non-finite loss makes a gradient NaN
+                loss = nonfinite_lib.fold_loss_into_gradients(loss, variables)
+            return self.optimizer.scale_loss(loss)
+
+        gradients = accumulation.sum_micro_batch_gradients(
+            (x, y, sample_weight), self.batch.accum_steps, variables, micro_batch_loss
+        )
+        # Losses are already divided by the global batch: the all-reduce SUM
+        # inside apply_gradients completes the mean. A non-finite step is
+        # skipped there, on every replica alike (tfdp.training.nonfinite).
+        self.optimizer.apply_gradients(zip(gradients, variables))
+
+    def _step_fn(self, data):
+        self.strategy.run(self._replica_train_step, args=(data,))
+
+    def _train_loop_fn(self, iterator, num_steps):
+        for _ in tf.range(num_steps):
+            self._step(next(iterator))
+
+    def _skip_loop_fn(self, iterator, num_steps):
+        for _ in tf.range(num_steps):
+            next(iterator)
+
+    def _replica_eval_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self.model(x, training=False)
+        per_example = tf.cast(self._per_example_loss(y, y_pred), tf.float32)
+        weights = (
+            tf.ones_like(per_example) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        )
+        self._eval_loss.update_state(per_example, sample_weight=weights)
+        for metric in self._eval_metrics:
+            metric.update_state(y, y_pred, sample_weight=sample_weight)
+
+    def _eval_step_fn(self, data):
+        self.strategy.run(self._replica_eval_step, args=(data,))
+
+    # --- datasets ---------------------------------------------------------
+
+    def _distribute(self, dataset, skip: int):
+        """A distributed iterator over `dataset`, with `skip` batches already consumed."""
+        if isinstance(dataset, tf.data.Dataset):
+            dataset = self.strategy.experimental_distribute_dataset(dataset.skip(skip))
+            return iter(dataset)
+        iterator = iter(dataset)
+        if skip:
+            self._skip_loop(iterator, tf.constant(skip))
+        return iterator
+
+    # --- public API -------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        """Training steps (global batches) taken so far, skipped ones included.
+
+        `optimizer.iterations` plus `skipped_steps`; restored with a
+        checkpoint.
+        """
+        return int(self.optimizer.iterations.numpy()) + self.skipped_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient (0 with `nonfinite=None`)."""
+        if self._guard is None:
+            return 0
+        return int(keras.ops.convert_to_numpy(self._guard.skipped_steps))
+
+    def restore(self) -> str | None:
+        """Restores the latest checkpoint in `model_dir`, if any; returns its path."""
+        if self._checkpoints is None:
+            return None
+        path = self._checkpoints.restore_latest()
+        if path:
+            self._last_saved_step = self.global_step
+        return path
+
+    def train(
+        self,
+        dataset: DatasetSource,
+        *,
+        steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+    ) -> dict:
+        """Trains until `steps` training steps (or `epochs` epochs) in total.
+
+        Resumes from the latest checkpoint in `model_dir` first, so running
+        the same call again after an interruption (a crash, or the exit 42
+        after a SIGTERM) finishes the same run.
+
+        Args:
+            dataset: a `tf.data.Dataset` of global batches, a distributed
+                dataset, or a callable `epoch -> dataset` (either kind). The
+                callable form resumes exactly mid-epoch: its order must depend
+                only on its seed and `epoch`. A plain dataset is iterated
+                again each epoch, which resumes exactly only if it yields the
+                same order every time.
+            steps: total training steps (global batches, skipped ones
+                included) to reach, counting restored ones.
+            epochs: total epochs to reach; needs `steps_per_epoch` or a
+                dataset of known cardinality.
+            steps_per_epoch: training steps per epoch. Defaults to the
+                dataset's cardinality.
+
+        Returns:
+            `{"loss", <metric names>..., "steps", "epochs", "skipped_steps",
+            "examples_per_second"}`: metrics over the last epoch's steps run
+            by this call (a skipped step's NaN loss included), totals, and
+            this call's throughput.
+
+        Raises:
+            ValueError: neither or both of `steps` / `epochs`, or the steps
+                per epoch cannot be determined.
+            tfdp.training.nonfinite.NonFiniteError: `max_consecutive_nonfinite` steps
+                in a row were not finite, or a checkpoint would have held
+                non-finite weights (none is written).
+            SystemExit: with status 42, after the checkpoint saved on SIGTERM.
+        """
+        if (steps is None) == (epochs is None):
+            raise ValueError(
+                "Pass exactly one of `steps` (total training steps) or `epochs`. "
+                f"Received: steps={steps!r}, epochs={epochs!r}"
+            )
+        _check_positive("steps", steps, allow_none=True)
+        _check_positive("epochs", epochs, allow_none=True)
+        _check_positive("steps_per_epoch", steps_per_epoch, allow_none=True)
+        dataset_for_epoch = dataset if callable(dataset) and not isinstance(
+            dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)
+        ) else (lambda epoch: dataset)
+        if steps_per_epoch is None:
+            steps_per_epoch = batch_lib.num_batches(dataset_for_epoch(0))
+        if steps_per_epoch < 1:  # unknown, infinite or empty
+            if epochs is not None:
+                raise ValueError(
+                    "The dataset's number of batches is unknown or infinite, so "
+                    "`epochs` cannot be counted. Pass steps_per_epoch=..."
+                )
+            steps_per_epoch = steps
+        total_steps = steps if steps is not None else epochs * steps_per_epoch
+
+        restored = self.restore()
+        global_step = self.global_step
+        if self.info.is_chief:
+            logging.info("tfdp trainer: %s", self.info.describe())
+            logging.info("tfdp trainer: %s", self.batch.describe())
+            if restored:
+                logging.info("tfdp trainer: resumed from %s at step %d", restored, global_step)
+        if self._summary_writer is not None and global_step == 0:
+            with self._summary_writer.as_default(step=0):
+                tf.summary.scalar("batch/per_replica", self.batch.per_replica)
+                tf.summary.scalar("batch/replicas", self.batch.num_replicas)
+                tf.summary.scalar("batch/accum_steps", self.batch.accum_steps)
+                tf.summary.scalar("batch/global", self.batch.global_batch)
+
+        watcher = self._start_watching_sigterm()
+        try:
+            logs = self._train_steps(dataset_for_epoch, global_step, total_steps, steps_per_epoch)
+        finally:
+            if watcher is not None:
+                watcher.stop()
+        return logs
+
+    def _train_steps(self, dataset_for_epoch, global_step, total_steps, steps_per_epoch) -> dict:
+        start_step, start_time = global_step, time.perf_counter()
+        if self._monitor is not None:
+            self._monitor.prime()
+        logs: dict = {}
+        while global_step < total_steps:
+            epoch, offset = divmod(global_step, steps_per_epoch)
+            iterator = self._distribute(dataset_for_epoch(epoch), offset)
+            self._reset(self._train_loss, *self._train_metrics)
+            while offset < steps_per_epoch and global_step < total_steps:
+                num = min(self.steps_per_loop, steps_per_epoch - offset, total_steps - global_step)
+                if self.checkpoint_every:
+                    num = min(num, self.checkpoint_every - global_step % self.checkpoint_every)
+                loop_start = time.perf_counter()
+                self._train_loop(iterator, tf.constant(num))
+                logs = self._results(self._train_loss, self._train_metrics)  # syncs the host
+                elapsed = time.perf_counter() - loop_start
+                offset += num
+                global_step += num
+                if self._monitor is not None:
+                    # Raises at the limit, before anything is saved.
+                    self._check_steps(self._monitor.check(), global_step)
+                self._log_progress(global_step, total_steps, logs, num * self.batch.global_batch / elapsed)
+                if self.checkpoint_every and global_step % self.checkpoint_every == 0:
+                    self._save(global_step)
+                self._position = global_step
+                if self._watcher is not None:  # every worker, after every call
+                    self._watcher.step_end()
+        if self._checkpoints is not None and global_step > start_step:
+            self._save(global_step)  # unless already saved at this step
+        elapsed = time.perf_counter() - start_time
+        trained = global_step - start_step
+        return {
+            **logs,
+            "steps": global_step,
+            "epochs": global_step / steps_per_epoch,
+            "skipped_steps": self.skipped_steps,
+            "examples_per_second": trained * self.batch.global_batch / elapsed if trained else 0.0,
+        }
+
+    def evaluate(self, dataset: DatasetLike) -> dict:
+        """Evaluates on every example of `dataset` once.
+
+        Metrics are aggregated over all replicas and workers and weighted by
+        `sample_weight` when the dataset yields one (padding examples with
+        weight 0 are ignored exactly).
+
+        Args:
+            dataset: a finite `tf.data.Dataset` of global batches or a
+                distributed dataset; under MultiWorkerMirroredStrategy every
+                worker must yield the same number of batches.
+
+        Returns:
+            `{"loss": mean per-example loss, <metric names>: results}`.
+        """
+        self._reset(self._eval_loss, *self._eval_metrics)
+        if isinstance(dataset, tf.data.Dataset):
+            dataset = self.strategy.experimental_distribute_dataset(dataset)
+        for data in dataset:
+            self._eval_step(data)
+        return self._results(self._eval_loss, self._eval_metrics)
+
+    # --- outer-loop helpers -------------------------------------------------
+
+    @staticmethod
+    def _reset(*metrics):
+        for metric in metrics:
+            metric.reset_state()
+
+    @staticmethod
+    def _results(loss_metric, metrics) -> dict:
+        results = {"loss": float(loss_metric.result())}
+        for metric in metrics:
+            value = metric.result()
+            if isinstance(value, dict):
+                results.update({k: float(v) for k, v in value.items()})
+            else:
+                results[metric.name] = float(value)
+        return results
+
+    def _learning_rate(self) -> float:
+        return float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+
+    def _log_progress(self, step: int, total: int, logs: dict, examples_per_second: float):
+        if not self.info.is_chief:
+            return
+        lr = self._learning_rate()
+        logging.info(
+            "step %d/%d: %s, lr %.4g, %.0f examples/s",
+            step, total, ", ".join(f"{k} {v:.4f}" for k, v in logs.items()), lr,
+            examples_per_second,
+        )
+        if self._summary_writer is not None:
+            with self._summary_writer.as_default(step=step):
+                for name, value in logs.items():
+                    tf.summary.scalar(name, value)
+                tf.summary.scalar("learning_rate", lr)
+                tf.summary.scalar("examples_per_second", examples_per_second)
+                if self._guard is not None:
+                    tf.summary.scalar("nonfinite/skipped_steps", self.skipped_steps)
+
+    def _check_steps(self, counted: int, expected: int) -> None:
+        """Checks that the optimizer counted every step this worker ran."""
+        if counted != expected:
+            raise RuntimeError(
+                f"tfdp trainer: after {expected} training steps the optimizer counts "
+                f"{counted} (optimizer.iterations + skipped_steps). Was the optimizer "
+                f"stepped outside this Trainer, or shared with another model?"
+            )
+
+    def _start_watching_sigterm(self):
+        """Starts the save-and-exit on SIGTERM, if asked for; returns the watcher."""
+        self._watcher = None
+        self._position = self.global_step
+        if not self.save_on_sigterm or self._checkpoints is None:
+            return None
+        self._watcher = preemption.PreemptionWatcher(
+            strategy=self.strategy,
+            checkpoint=self._checkpoint,
+            directory=self.model_dir,
+            save_fn=lambda: self._save(self._position),
+            owner="tfdp trainer",
+        )
+        self._watcher.start()
+        return self._watcher
+
+    def _save(self, step: int):
+        """Saves the checkpoint of `step` (a collective: every worker calls it)."""
+        if self._checkpoints is None or step == self._last_saved_step:
+            return  # no model_dir (checkpoint_every alone saves nothing), or saved
+        # Every worker holds the same weights, so all refuse alike.
+        nonfinite_lib.check_finite_before_save(
+            [*self.model.weights, *self.optimizer.variables], step=step,
+            owner="tfdp trainer", last_saved=self._checkpoints.latest_checkpoint,
+        )
+        path = self._checkpoints.save(step)
+        self._last_saved_step = step
+        if path:
+            logging.info("tfdp trainer: saved %s", path)
