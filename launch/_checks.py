@@ -1,13 +1,16 @@
-"""Argument checks shared by the launcher's plans: local, multi-node, Slurm, Kubernetes."""
+"""The check of a worker command, shared by the launcher's plans: local, multi-node, Slurm, Kubernetes.
+
+Counts, choices and how a message echoes a value are tfdp's shared checks
+(`tfdp._checks`, no TensorFlow), re-exported here for the launcher's modules.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tfdp._checks import check_int, echo
 
-def echo(value: Any) -> str:
-    """How an error message shows a received value."""
-    return repr(value)
+__all__ = ["check_command", "check_int", "echo"]
 
 
 def check_command(command: Any, *, example: str) -> tuple[str, ...]:

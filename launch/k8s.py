@@ -35,7 +35,6 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
 
-_echo = _checks.echo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,7 +67,7 @@ def _check_dns_label(name: str, value: Any, *, max_length: int = 63) -> None:
         raise ValueError(
             f"`{name}` must be an RFC 1123 DNS label: at most {max_length} lowercase "
             "letters, digits and '-', starting and ending with a letter or digit, e.g. "
-            f"'mnist-run-1'. Received: {name}={_echo(value)}"
+            f"'mnist-run-1'. Received: {name}={_checks.echo(value)}"
         )
 
 
@@ -112,30 +111,20 @@ def plan_tfjob(
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         raise ValueError(
             "`image` must be a container image reference without spaces, e.g. "
-            f"'registry.example.com/tfdp:0.1'. Received: image={_echo(image)}"
+            f"'registry.example.com/tfdp:0.1'. Received: image={_checks.echo(image)}"
         )
-    if isinstance(workers, bool) or not isinstance(workers, int):
-        raise TypeError(f"`workers` must be an int. Received: workers={_echo(workers)}")
-    if workers < 1:
-        raise ValueError(f"`workers` must be >= 1. Received: workers={workers}")
+    _checks.check_int("workers", workers, minimum=1)
     # The operator names pods and services NAME-worker-INDEX: keep those labels too.
     suffix = len(f"-worker-{workers - 1}")
     _check_dns_label("name", name, max_length=63 - suffix)
     if namespace is not None:
         _check_dns_label("namespace", namespace)
-    if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, int):
-        raise TypeError(
-            f"`gpus_per_worker` must be an int. Received: gpus_per_worker={_echo(gpus_per_worker)}"
-        )
-    if gpus_per_worker < 0:
-        raise ValueError(
-            f"`gpus_per_worker` must be >= 0. Received: gpus_per_worker={gpus_per_worker}"
-        )
+    _checks.check_int("gpus_per_worker", gpus_per_worker, minimum=0)
     for key, value, example in (("cpu", cpu, "'4' or '500m'"), ("memory", memory, "'16Gi'")):
         if value is not None and (not isinstance(value, str) or not _QUANTITY.match(value)):
             raise ValueError(
                 f"`{key}` must be a Kubernetes quantity such as {example}. "
-                f"Received: {key}={_echo(value)}"
+                f"Received: {key}={_checks.echo(value)}"
             )
     return TFJobSpec(image=image, workers=workers, command=tuple(command), name=name,
                      namespace=namespace, gpus_per_worker=gpus_per_worker, cpu=cpu,

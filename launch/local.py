@@ -126,7 +126,6 @@ class LocalLaunchPlan:
         return f"{text}: {' '.join(self.command)}"
 
 
-_echo = _checks.echo
 
 
 def _check_command(command: Sequence[str], path: str | None) -> tuple[str, ...]:
@@ -137,28 +136,21 @@ def _check_command(command: Sequence[str], path: str | None) -> tuple[str, ...]:
         where = "is not an executable file" if os.sep in program else "was not found on PATH"
         raise ValueError(
             f"`command[0]` must be an executable program; {program!r} {where}. "
-            f"Check the spelling or give a full path. Received: command={_echo(list(command))}"
+            f"Check the spelling or give a full path. Received: command={_checks.echo(list(command))}"
         )
     return tuple(command)
 
 
 def _check_nproc(nproc_per_node: Any) -> None:
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int):
-        raise TypeError(
-            f"`nproc_per_node` must be an int. Received: nproc_per_node={_echo(nproc_per_node)}"
-        )
-    if nproc_per_node < 1:
-        raise ValueError(
-            "`nproc_per_node` must be >= 1 (the number of worker processes to start). "
-            f"Received: nproc_per_node={nproc_per_node}"
-        )
+    _checks.check_int("nproc_per_node", nproc_per_node, minimum=1,
+                      hint=" (the number of worker processes to start)")
 
 
 def _check_grace_period(grace_period: Any) -> None:
     if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)):
         raise TypeError(
             "`grace_period` must be a number of seconds. "
-            f"Received: grace_period={_echo(grace_period)}"
+            f"Received: grace_period={_checks.echo(grace_period)}"
         )
     if not math.isfinite(grace_period) or grace_period < 0:
         raise ValueError(
@@ -168,15 +160,9 @@ def _check_grace_period(grace_period: Any) -> None:
 
 
 def _check_max_restarts(max_restarts: Any) -> None:
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int):
-        raise TypeError(
-            f"`max_restarts` must be an int. Received: max_restarts={_echo(max_restarts)}"
-        )
-    if max_restarts < 0:
-        raise ValueError(
-            "`max_restarts` must be >= 0 (how many times a failed group is restarted; "
-            f"0 stops at the first failure). Received: max_restarts={max_restarts}"
-        )
+    _checks.check_int("max_restarts", max_restarts, minimum=0,
+                      hint=" (how many times a failed group is restarted; 0 stops at the "
+                           "first failure)")
 
 
 # Binds where TensorFlow will (all interfaces), as gRPC does; shared with
@@ -284,7 +270,7 @@ def plan_local(
                                              host=nodes_lib.TENSORFLOW_LISTEN_ADDRESS))
     else:
         if isinstance(port, bool) or not isinstance(port, int):
-            raise TypeError(f"`port` must be an int or None. Received: port={_echo(port)}")
+            raise TypeError(f"`port` must be an int or None. Received: port={_checks.echo(port)}")
         last = 65535 - (nproc_per_node - 1)
         if not 1 <= port <= last:
             raise ValueError(
@@ -361,13 +347,13 @@ def plan_nodes(
     _check_grace_period(grace_period)
     _check_max_restarts(max_restarts)
     if not isinstance(bind_all, bool):
-        raise TypeError(f"`bind_all` must be a bool. Received: bind_all={_echo(bind_all)}")
+        raise TypeError(f"`bind_all` must be a bool. Received: bind_all={_checks.echo(bind_all)}")
     layout = nodes_lib.plan_layout(hosts, nnodes=nnodes, node_rank=node_rank,
                                    nproc_per_node=nproc_per_node)
     exposed = nodes_lib.check_hosts(layout, bind_all=bind_all)
     _check_ports_free(layout.ports, where=f"`hosts` entry {node_rank} ({layout.this_node}):",
                       fix=f"Give node {node_rank} another first port in `hosts`. "
-                          f"Received: hosts={_echo(','.join(map(str, layout.hosts)))}")
+                          f"Received: hosts={_checks.echo(','.join(map(str, layout.hosts)))}")
     # Without --bind_all the workers listen on this node's --hosts address only.
     bind_env, bind_warning = ({}, "") if bind_all else _bind_environment(
         layout.this_node.host, environ)

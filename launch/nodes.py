@@ -48,6 +48,7 @@ import socket
 from typing import Any, Sequence
 
 from tfdp.distribute import cluster as cluster_lib
+from tfdp.launch import _checks
 
 #: The address TensorFlow's gRPC server actually listens on (all interfaces).
 TENSORFLOW_LISTEN_ADDRESS = "0.0.0.0"
@@ -55,9 +56,6 @@ TENSORFLOW_LISTEN_ADDRESS = "0.0.0.0"
 _HOSTS_EXAMPLE = "--hosts 10.0.0.1:2222,10.0.0.2:2222"
 
 
-def _echo(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 300 else text[:300] + "...<truncated>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +102,12 @@ def parse_hosts(hosts: str | Sequence[str]) -> tuple[HostPort, ...]:
     else:
         raise TypeError(
             "`hosts` must be a string like 'h0:2222,h1:2222' or a list of 'host:port' "
-            f"strings. Received: hosts={_echo(hosts)}"
+            f"strings. Received: hosts={_checks.echo(hosts)}"
         )
     if not any(entries):
         raise ValueError(
             "`hosts` must list every node as host:port, in node-rank order, e.g. "
-            f"{_HOSTS_EXAMPLE}. Received: hosts={_echo(hosts)}"
+            f"{_HOSTS_EXAMPLE}. Received: hosts={_checks.echo(hosts)}"
         )
     parsed = []
     for rank, entry in enumerate(entries):
@@ -120,7 +118,7 @@ def parse_hosts(hosts: str | Sequence[str]) -> tuple[HostPort, ...]:
             raise ValueError(
                 f"`hosts` entry {rank} must be host:port with a port in [1, 65535] (IPv6 "
                 f"hosts in brackets, e.g. [fd00::2]:2222), like {_HOSTS_EXAMPLE}. "
-                f"Received: {_echo(entry)} in hosts={_echo(hosts)}"
+                f"Received: {_checks.echo(entry)} in hosts={_checks.echo(hosts)}"
             ) from None
         host, _, port = entry.rpartition(":")
         parsed.append(HostPort(host.strip("[]"), int(port)))
@@ -172,13 +170,6 @@ class NodeLayout:
         return self.node_rank * self.nproc_per_node + local_rank
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int. Received: {name}={_echo(value)}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}")
-
-
 def plan_layout(
     hosts: str | Sequence[str],
     *,
@@ -203,14 +194,14 @@ def plan_layout(
             `node_rank` is out of range, a node's ports `port..port+N-1` go
             past 65535, or two workers would get the same `host:port`.
     """
-    _check_int("nnodes", nnodes, 1)
-    _check_int("nproc_per_node", nproc_per_node, 1)
-    _check_int("node_rank", node_rank, 0)
+    _checks.check_int("nnodes", nnodes, minimum=1)
+    _checks.check_int("nproc_per_node", nproc_per_node, minimum=1)
+    _checks.check_int("node_rank", node_rank, minimum=0)
     entries = parse_hosts(hosts)
     if len(entries) != nnodes:
         raise ValueError(
             f"`hosts` must have one host:port entry per node: nnodes={nnodes}, but it has "
-            f"{len(entries)}. Received: hosts={_echo(','.join(map(str, entries)))}"
+            f"{len(entries)}. Received: hosts={_checks.echo(','.join(map(str, entries)))}"
         )
     if node_rank >= nnodes:
         raise ValueError(
@@ -235,7 +226,7 @@ def plan_layout(
                     f"{entry.address(i)}: node r's workers use ports port_r..port_r+"
                     f"{nproc_per_node - 1}, so nodes on the same host need port ranges "
                     f"that do not overlap. Received: "
-                    f"hosts={_echo(','.join(map(str, entries)))}"
+                    f"hosts={_checks.echo(','.join(map(str, entries)))}"
                 )
             owners[key] = rank
     layout = NodeLayout(hosts=entries, node_rank=node_rank, nproc_per_node=nproc_per_node)

@@ -36,7 +36,6 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
 
 
-_echo = _checks.echo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,13 +64,6 @@ class SlurmJob:
     def num_workers(self) -> int:
         """Total tasks, one tfdp worker each."""
         return self.nodes * self.ntasks_per_node
-
-
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int. Received: {name}={_echo(value)}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}")
 
 
 def plan_job(
@@ -110,9 +102,9 @@ def plan_job(
     command = _checks.check_command(
         command,
         example="tfdp-launch slurm --nodes 2 --ntasks_per_node 1 -- python train.py")
-    _check_count("nodes", nodes, 1)
-    _check_count("ntasks_per_node", ntasks_per_node, 1)
-    _check_count("gpus_per_node", gpus_per_node, 0)
+    _checks.check_int("nodes", nodes, minimum=1)
+    _checks.check_int("ntasks_per_node", ntasks_per_node, minimum=1)
+    _checks.check_int("gpus_per_node", gpus_per_node, minimum=0)
     if gpus_per_node and ntasks_per_node > 1 and gpus_per_node % ntasks_per_node:
         raise ValueError(
             f"`gpus_per_node` must be a multiple of `ntasks_per_node` so that every task "
@@ -123,17 +115,17 @@ def plan_job(
     if partition is not None and not _PARTITION.match(str(partition)):
         raise ValueError(
             "`partition` must be a partition name or a comma-separated list of names "
-            f"(letters, digits, '_', '.', '-'). Received: partition={_echo(partition)}"
+            f"(letters, digits, '_', '.', '-'). Received: partition={_checks.echo(partition)}"
         )
     if time is not None and not _TIME.match(str(time)):
         raise ValueError(
             "`time` must be a Slurm time limit: minutes, M:S, H:M:S, D-H, D-H:M or "
-            f"D-H:M:S, e.g. '90' or '1-12:00:00'. Received: time={_echo(time)}"
+            f"D-H:M:S, e.g. '90' or '1-12:00:00'. Received: time={_checks.echo(time)}"
         )
     if not isinstance(job_name, str) or not _JOB_NAME.match(job_name):
         raise ValueError(
             "`job_name` must be letters, digits and '_', '.', '+', '-' (no spaces). "
-            f"Received: job_name={_echo(job_name)}"
+            f"Received: job_name={_checks.echo(job_name)}"
         )
     return SlurmJob(command=tuple(command), nodes=nodes, ntasks_per_node=ntasks_per_node,
                     partition=partition, time=time, gpus_per_node=gpus_per_node,

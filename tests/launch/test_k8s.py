@@ -58,12 +58,12 @@ def test_output_file(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,fragment",
     [
-        (["--workers", "0"], "`workers` must be >= 1. Received: workers=0"),
+        (["--workers", "0"], "`workers` must be a positive integer. Received: workers=0"),
         (["--workers", "2", "--name", "Bad_Name"], "`name` must be an RFC 1123 DNS label"),
         (["--workers", "2", "--name=-x"], "Received: name='-x'"),
         (["--workers", "2", "--name", "a" * 60], "at most 54 lowercase"),
         (["--workers", "2", "--namespace", "ML"], "`namespace` must be an RFC 1123 DNS label"),
-        (["--workers", "2", "--gpus_per_worker", "-1"], "`gpus_per_worker` must be >= 0"),
+        (["--workers", "2", "--gpus_per_worker", "-1"], "`gpus_per_worker` must be an integer >= 0"),
         (["--workers", "2", "--cpu", "four"], "`cpu` must be a Kubernetes quantity"),
         (["--workers", "2", "--memory", "16 GB"], "`memory` must be a Kubernetes quantity"),
         (["--workers", "2", "--image", "my image"], "`image` must be a container image"),

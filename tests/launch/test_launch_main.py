@@ -37,7 +37,7 @@ from tfdp.distribute.cluster import free_ports, parse_tf_config
          "unrecognized arguments before `--`: python train.py"),
         (["--nproc_per_node", "two", "--", "python"], "invalid int value: 'two'"),
         (["--nproc_per_node", "0", "--", "python"],
-         "`nproc_per_node` must be >= 1 (the number of worker processes to start). "
+         "`nproc_per_node` must be a positive integer (the number of worker processes to start). "
          "Received: nproc_per_node=0"),
         (["--nproc_per_node", "2", "--port", "65535", "--", "python"],
          "`port` must be in [1, 65534]"),
@@ -47,7 +47,7 @@ from tfdp.distribute.cluster import free_ports, parse_tf_config
         (["--nproc_per_node", "1", "--", "no-such-program-tfdp", "x"],
          "'no-such-program-tfdp' was not found on PATH"),
         (["--nproc_per_node", "1", "--max_restarts", "-1", "--", "python"],
-         "`max_restarts` must be >= 0"),
+         "`max_restarts` must be an integer >= 0"),
         (["--nproc_per_node", "1", "--nnodes", "2", "--", "python"],
          "--hosts is required with --nnodes 2"),
         (["--nproc_per_node", "1", "--hosts", "127.0.0.1:5000", "--port", "5000", "--",
@@ -90,7 +90,7 @@ def test_help_documents_env_and_exit_codes(capsys):
 def test_cli_rejects_bad_arguments_before_starting_anything():
     result = run_launch(["python", "-c", "print('started')"], nproc=0, timeout=60)
     assert result.returncode == 2, result.describe()
-    assert "`nproc_per_node` must be >= 1" in result.stderr
+    assert "`nproc_per_node` must be a positive integer" in result.stderr
     assert "started" not in result.stdout and "[launch] starting" not in result.stderr
 
 

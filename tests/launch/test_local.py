@@ -94,11 +94,11 @@ def test_plan_rejects_port_in_use():
     "command,kwargs,error,fragment",
     [
         (["python"], {"nproc_per_node": 0}, ValueError,
-         "`nproc_per_node` must be >= 1 (the number of worker processes to start). "
+         "`nproc_per_node` must be a positive integer (the number of worker processes to start). "
          "Received: nproc_per_node=0"),
         (["python"], {"nproc_per_node": -3}, ValueError, "Received: nproc_per_node=-3"),
-        (["python"], {"nproc_per_node": 2.0}, TypeError, "`nproc_per_node` must be an int"),
-        (["python"], {"nproc_per_node": True}, TypeError, "`nproc_per_node` must be an int"),
+        (["python"], {"nproc_per_node": 2.0}, TypeError, "`nproc_per_node` must be a positive integer"),
+        (["python"], {"nproc_per_node": True}, TypeError, "`nproc_per_node` must be a positive integer"),
         (["python"], {"nproc_per_node": 1, "port": 0}, ValueError,
          "`port` must be in [1, 65535]"),
         (["python"], {"nproc_per_node": 1, "port": 65536}, ValueError, "Received: port=65536"),
@@ -383,9 +383,9 @@ def test_plan_nodes_rejects_a_busy_port_of_this_node():
     "kwargs,error,fragment",
     [
         ({"bind_all": "yes"}, TypeError, "`bind_all` must be a bool"),
-        ({"max_restarts": -1}, ValueError, "`max_restarts` must be >= 0"),
+        ({"max_restarts": -1}, ValueError, "`max_restarts` must be an integer >= 0"),
         ({"hosts": "127.0.0.1:5000"}, ValueError, "nnodes=2, but it has 1"),
-        ({"nproc_per_node": 0}, ValueError, "`nproc_per_node` must be >= 1"),
+        ({"nproc_per_node": 0}, ValueError, "`nproc_per_node` must be a positive integer"),
     ],
 )
 def test_plan_nodes_rejects_bad_arguments(kwargs, error, fragment):

@@ -60,10 +60,10 @@ def test_optional_directives_are_left_out_and_gpus_split_per_task():
 @pytest.mark.parametrize(
     "argv,fragment",
     [
-        (["--nodes", "0", "--ntasks_per_node", "1"], "`nodes` must be >= 1. Received: nodes=0"),
-        (["--nodes", "1", "--ntasks_per_node", "0"], "`ntasks_per_node` must be >= 1"),
+        (["--nodes", "0", "--ntasks_per_node", "1"], "`nodes` must be a positive integer. Received: nodes=0"),
+        (["--nodes", "1", "--ntasks_per_node", "0"], "`ntasks_per_node` must be a positive integer"),
         (["--nodes", "1", "--ntasks_per_node", "1", "--gpus_per_node", "-1"],
-         "`gpus_per_node` must be >= 0"),
+         "`gpus_per_node` must be an integer >= 0"),
         (["--nodes", "1", "--ntasks_per_node", "3", "--gpus_per_node", "4"],
          "`gpus_per_node` must be a multiple of `ntasks_per_node`"),
         (["--nodes", "1", "--ntasks_per_node", "1", "--time", "2 hours"],
