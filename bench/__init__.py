@@ -12,7 +12,7 @@ same minutes of the same machine, each in fresh processes with deadlines:
    all-reduce per micro-batch, time and peak memory;
 5. all-reduce (`allreduce`): latency and bandwidth vs message size and
    `bytes_per_pack`, beside the ring lower bound;
-6. input pipeline (`input_pipeline`): `tfdp.bench.input_pipeline_run` in a subprocess.
+6. input pipeline (`input_pipeline`): `make_dataset` against a naive tf.data pipeline.
 
 `workloads` defines the networks and data, `procs` runs processes,
 `worker` is the measurement processes' entry point, `suite` the order and

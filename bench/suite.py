@@ -56,7 +56,7 @@ class SuiteConfig:
         all_reduce_sizes: message sizes, bytes.
         all_reduce_iterations: calls timed per small message.
         link_gbytes_per_second: link bandwidth for the ring bound; None measures it.
-        pipeline_flags: flags for `python -m tfdp.bench.input_pipeline_run`.
+        pipeline_flags: `tfdp.bench.input_pipeline.run_benchmark` arguments.
         timeout_scale: multiplies every subprocess deadline.
     """
 

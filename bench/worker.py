@@ -28,6 +28,7 @@ JOBS = {
     "count_all_reduces": ("tfdp.bench.accumulation", "count_all_reduces", "tensorflow"),
     "all_reduce": ("tfdp.bench.allreduce", "measure", "tensorflow"),
     "torch_ddp": ("tfdp.bench.peer_torch", "measure", "torch"),
+    "input_pipeline": ("tfdp.bench.input_pipeline", "measure", "tensorflow"),
 }
 
 

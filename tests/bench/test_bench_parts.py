@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from tfdp.bench import input_pipeline
 from tfdp.bench import peer_torch
 from tfdp.bench import procs
 from tfdp.bench import report
@@ -69,22 +68,6 @@ def test_a_failing_job_reports_its_output():
     with pytest.raises(procs.JobFailed, match="exited with status 3"):
         procs.run_command([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
                           timeout=30)
-
-
-def test_pipeline_output_is_parsed():
-    stdout = ("64 synthetic 8x8 JPEG images x 1 epoch(s)\n"
-              "naive pipeline:            100.5 examples/s\n"
-              "make_dataset pipeline:     301.5 examples/s\n"
-              "speed-up:                    3.00x\n")
-    parsed = input_pipeline.parse(stdout)
-    assert parsed["naive_examples_per_second"] == 100.5
-    assert parsed["pipelined_examples_per_second"] == 301.5
-    assert parsed["speedup"] == 3.0
-
-
-def test_changed_pipeline_output_names_the_fix():
-    with pytest.raises(ValueError, match="Update tfdp.bench.input_pipeline.parse"):
-        input_pipeline.parse("something else\n")
 
 
 @pytest.mark.parametrize("overrides, message", [

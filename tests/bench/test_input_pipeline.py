@@ -1,16 +1,16 @@
-"""Tests for `tfdp.bench.input_pipeline_run` (plumbing only: timings are never asserted)."""
+"""Tests for `tfdp.bench.input_pipeline` (plumbing only: timings are never asserted)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-from tfdp.bench import input_pipeline_run as bench
+from tfdp.bench import input_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_both_pipelines_see_the_same_examples_and_report_throughput():
-    result = bench.run_benchmark(
+    result = input_pipeline.run_benchmark(
         num_examples=64, image_size=16, global_batch=16, epochs=1, repeats=1
     )
     assert result.examples == 64
@@ -22,10 +22,20 @@ def test_both_pipelines_see_the_same_examples_and_report_throughput():
     ]
 
 
+def test_the_suite_job_reports_both_throughputs_and_their_ratio():
+    result = input_pipeline.measure(
+        {"num_examples": 32, "image_size": 16, "global_batch": 16, "epochs": 1, "repeats": 1,
+         "threads": 2})
+    assert result["setup"].startswith("32 synthetic 16x16 JPEG images x 1 epoch(s)")
+    assert result["naive_examples_per_second"] > 0
+    assert result["speedup"] == (result["pipelined_examples_per_second"]
+                                 / result["naive_examples_per_second"])
+
+
 def test_naive_pipeline_has_no_parallelism_or_prefetch():
-    source = bench.synthetic.SyntheticImages(num_examples=8, image_shape=(8, 8, 3), encoding="jpeg")
-    preprocess = bench.preprocess_lib.decode_image(channels=3, shape=(8, 8))
-    dataset = bench.naive_dataset(source, lambda x, y, seed: preprocess(x, y), 4)
+    source = input_pipeline.synthetic.SyntheticImages(num_examples=8, image_shape=(8, 8, 3), encoding="jpeg")
+    preprocess = input_pipeline.preprocess_lib.decode_image(channels=3, shape=(8, 8))
+    dataset = input_pipeline.naive_dataset(source, lambda x, y, seed: preprocess(x, y), 4)
     options = dataset.options()
     assert options.autotune.enabled is False
     assert options.experimental_optimization.map_parallelization is False
@@ -34,7 +44,7 @@ def test_naive_pipeline_has_no_parallelism_or_prefetch():
 
 def test_command_line_rejects_a_batch_larger_than_the_data():
     completed = subprocess.run(
-        [sys.executable, "-m", "tfdp.bench.input_pipeline_run", "--num_examples=8", "--global_batch=16"],
+        [sys.executable, "-m", "tfdp.bench.input_pipeline", "--num_examples=8", "--global_batch=16"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode != 0
