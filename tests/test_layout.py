@@ -199,3 +199,19 @@ def test_setup_cfg_installs_every_package():
     package_dir = dict(line.split(" = ") for line in
                        config["options"]["package_dir"].strip().splitlines())
     assert package_dir == PACKAGE_DIRS
+
+
+def test_a_users_own_models_py_does_not_shadow_tfdps(tmp_path):
+    # Before the namespace, `models`, `launch` and `pipelines` were top-level
+    # names: a models.py in the working directory replaced tfdp's.
+    import subprocess
+    import sys
+
+    for name in ("models", "launch", "pipelines"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py')\n")
+    code = ("from tfdp import models, pipelines, launch; "
+            "print(models.__file__, pipelines.__file__, launch.__file__)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert str(tmp_path) not in result.stdout
