@@ -3,25 +3,25 @@
 Starts N worker processes of COMMAND on this host, each with its own
 `TF_CONFIG` and the `TFDP_RANK`, `TFDP_LOCAL_RANK`, `TFDP_WORLD_SIZE`,
 `TFDP_LOCAL_WORLD_SIZE`, `TFDP_NODE_RANK` and `TFDP_RESTART_COUNT` variables
-(see `launch.local`), prefixes every output line with the worker's rank
+(see `tfdp.launch.local`), prefixes every output line with the worker's rank
 (`[0] ...`), forwards SIGINT/SIGTERM to the workers, and stops them all as soon
 as one fails.
 
 - Several nodes: `--nnodes M --node_rank R --hosts H0:P0,H1:P1,...`, the same
   command on every node with its own `--node_rank`; node r's worker i listens
-  on `H_r:P_r+i` and has global rank `r*N+i` (`launch.nodes`).
+  on `H_r:P_r+i` and has global rank `r*N+i` (`tfdp.launch.nodes`).
 - Binding: TensorFlow's gRPC server listens on *all* interfaces whatever the
   TF_CONFIG address says, and nothing in TensorFlow 2.21 restricts it (see
-  `launch.nodes`), so the launcher preloads a small `bind()` shim
-  (`launch.bind`) that makes each worker listen on its own `--hosts` address
+  `tfdp.launch.nodes`), so the launcher preloads a small `bind()` shim
+  (`tfdp.launch.bind`) that makes each worker listen on its own `--hosts` address
   only (loopback by default). Addresses other machines can reach, and
   `--bind_all` (no shim: all interfaces), log a warning that the endpoints are
   unauthenticated.
 - Restarts: `--max_restarts K` stops and restarts the whole group after a
-  worker fails, up to K times (`launch.restarts`); a signal never restarts.
+  worker fails, up to K times (`tfdp.launch.restarts`); a signal never restarts.
 - Schedulers: `tfdp-launch slurm ...` writes or submits an sbatch script
-  (`launch.sbatch`; the workers then find the cluster through `tfdp.distribute.slurm_env`),
-  `tfdp-launch k8s ...` writes a Kubeflow TFJob manifest (`launch.k8s`).
+  (`tfdp.launch.sbatch`; the workers then find the cluster through `tfdp.distribute.slurm_env`),
+  `tfdp-launch k8s ...` writes a Kubeflow TFJob manifest (`tfdp.launch.k8s`).
 
 Exit status of `tfdp-launch` (without a subcommand):
 
@@ -32,11 +32,11 @@ Exit status of `tfdp-launch` (without a subcommand):
 - 2: invalid arguments (nothing was started);
 - 126/127: a worker could not be started.
 
-Modules: `launch.local` (what each worker runs, with which environment),
-`launch.nodes` (multi-node layout and address checks), `launch.restarts`
-(the attempt loop), `launch.worker_group` (start, supervise, stop a set of
-processes), `launch.output` (rank-prefixed output, log tails),
-`launch.signals` (signal catching), `launch.bind` (the bind shim), `launch._proc` (process groups, /proc,
-reaping), `launch.sbatch` and `launch.k8s` (scheduler files). This package may
+Modules: `tfdp.launch.local` (what each worker runs, with which environment),
+`tfdp.launch.nodes` (multi-node layout and address checks), `tfdp.launch.restarts`
+(the attempt loop), `tfdp.launch.worker_group` (start, supervise, stop a set of
+processes), `tfdp.launch.output` (rank-prefixed output, log tails),
+`tfdp.launch.signals` (signal catching), `tfdp.launch.bind` (the bind shim), `tfdp.launch._proc` (process groups, /proc,
+reaping), `tfdp.launch.sbatch` and `tfdp.launch.k8s` (scheduler files). This package may
 import `tfdp.distribute.cluster`; `tfdp` never imports `launch`.
 """

@@ -1,4 +1,4 @@
-"""Command line of the launcher; the work is in `launch.local`, `launch.sbatch`, `launch.k8s`.
+"""Command line of the launcher; the work is in `tfdp.launch.local`, `tfdp.launch.sbatch`, `tfdp.launch.k8s`.
 
 Usage:
 

@@ -1,7 +1,7 @@
 """Make workers listen on their own address only: an LD_PRELOAD `bind()` shim.
 
 TensorFlow 2.21's gRPC server always listens on all interfaces (see
-`launch.nodes`). `bindshim.c`, preloaded into a worker with
+`tfdp.launch.nodes`). `bindshim.c`, preloaded into a worker with
 `TFDP_BIND_ADDRESS=A.B.C.D`, rewrites that process's wildcard binds:
 `0.0.0.0` becomes `A.B.C.D` and `[::]` becomes `::ffff:A.B.C.D` (so a
 dual-stack socket still accepts IPv4 connections to that address); every other

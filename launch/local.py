@@ -6,11 +6,11 @@ worker its TF_CONFIG and `TFDP_*` variables. Two launches share it:
 
 - one host (`plan_local`): N workers on 127.0.0.1;
 - one node of several (`plan_nodes`): this node's N of the M x N workers laid
-  out by `--hosts` (see `launch.nodes` for the layout rule and for how
+  out by `--hosts` (see `tfdp.launch.nodes` for the layout rule and for how
   TensorFlow binds its ports).
 
-Starting, watching and stopping the processes is `launch.worker_group`'s job,
-restarting them `launch.restarts`', parsing flags `launch.__main__`'s.
+Starting, watching and stopping the processes is `tfdp.launch.worker_group`'s job,
+restarting them `tfdp.launch.restarts`', parsing flags `tfdp.launch.__main__`'s.
 
 Every worker gets, on top of the launcher's environment:
 
@@ -29,7 +29,7 @@ Every worker gets, on top of the launcher's environment:
 - `TFDP_RESTART_COUNT`: 0 for the first attempt, then 1, 2, ... for each
   restart of the group (`--max_restarts`).
 - `PYTHONUNBUFFERED=1`, so Python workers' output arrives line by line.
-- Unless `--bind_all`: `LD_PRELOAD` (the `launch.bind` shim, before any
+- Unless `--bind_all`: `LD_PRELOAD` (the `tfdp.launch.bind` shim, before any
   inherited `LD_PRELOAD`) and `TFDP_BIND_ADDRESS` (this node's IPv4 address,
   127.0.0.1 on one host), so TensorFlow's gRPC server, which binds all
   interfaces, listens on that address only. Without a C compiler to build the
@@ -249,7 +249,7 @@ def plan_local(
             Defaults to `DEFAULT_GRACE_PERIOD` (5 s).
         environ: base environment of every worker. Defaults to `os.environ`.
         max_restarts: times the whole group is restarted after a worker
-            fails (see `launch.restarts`). Must be >= 0. Defaults to 0.
+            fails (see `tfdp.launch.restarts`). Must be >= 0. Defaults to 0.
 
     Returns:
         A `LocalLaunchPlan`.
@@ -313,7 +313,7 @@ def plan_nodes(
     """Validates this node's part of a multi-node launch and builds its workers.
 
     Every node runs the same launch with its own `node_rank`; the layout
-    (addresses, ranks) is `launch.nodes`'. Nothing is started.
+    (addresses, ranks) is `tfdp.launch.nodes`'. Nothing is started.
 
     Args:
         command: program and arguments every worker runs (no shell).
@@ -324,7 +324,7 @@ def plan_nodes(
             address and first port; its worker `i` listens on port `p_r + i`.
         nproc_per_node: workers per node. Must be >= 1.
         bind_all: accept addresses other machines can reach (TensorFlow's
-            gRPC endpoints are unauthenticated; see `launch.nodes`). Without
+            gRPC endpoints are unauthenticated; see `tfdp.launch.nodes`). Without
             it, only loopback addresses are accepted. Defaults to False.
         grace_period: see `plan_local`.
         environ: base environment of every worker. Defaults to `os.environ`.

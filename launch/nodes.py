@@ -4,8 +4,8 @@ This module owns the layout of one job over several hosts: which address and
 port each worker has, and which global rank. It parses and validates `--hosts`
 and checks the addresses against this machine (name resolution, loopback or
 not, "is this node's address really mine?"). It does not build worker
-environments (`launch.local`) and does not start processes
-(`launch.worker_group`).
+environments (`tfdp.launch.local`) and does not start processes
+(`tfdp.launch.worker_group`).
 
 The layout rule. With `--hosts h0:p0,h1:p1,...` and `--nproc_per_node N`:
 
@@ -27,7 +27,7 @@ where to connect. There is no TF_CONFIG field, `ServerDef` field or
 environment variable that restricts the listening address. What the
 launcher does:
 
-- without `--bind_all`, it preloads `launch.bind`'s `bind()` shim into every
+- without `--bind_all`, it preloads `tfdp.launch.bind`'s `bind()` shim into every
   worker, which turns the wildcard bind into a bind of the worker's own
   address from `--hosts` (loopback by default, so nothing outside the
   machine can reach it);

@@ -9,7 +9,7 @@ the launcher's stderr, and the launcher exits with the worker's exit code. A sig
 SIGTERM) stops the workers and never leads to a restart.
 
 What a restart changes is not decided here: the `replan` callable builds the
-next attempt (`launch.local.restart_plan`: fresh environments with
+next attempt (`tfdp.launch.local.restart_plan`: fresh environments with
 `TFDP_RESTART_COUNT`, fresh free ports, or the same fixed ports once they are
 free). Nothing of the dead workers' processes carries over. The training
 program resumes on its own: `tfdp.Trainer` restores the latest checkpoint in
@@ -96,7 +96,7 @@ def run_with_restarts(
 
     Args:
         plan: has `workers` (the `WorkerSpec`s), `grace_period` (seconds) and
-            `max_restarts` (>= 0), e.g. a `launch.local.LocalLaunchPlan`.
+            `max_restarts` (>= 0), e.g. a `tfdp.launch.local.LocalLaunchPlan`.
         describe: `(plan, attempt) -> str`, the start-up line of an attempt
             (attempt 0 is the first run).
         replan: `(plan, restart_count, cancelled) -> plan` for the next

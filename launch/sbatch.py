@@ -15,7 +15,7 @@ set-up); with several tasks per node the GPUs are requested per task
 (`--gpus-per-task`) so that Slurm gives each task its own.
 
 Reading Slurm's environment in the workers is `tfdp.distribute.slurm_env`'s job; parsing
-flags is `launch.__main__`'s.
+flags is `tfdp.launch.__main__`'s.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 This module owns one thing: while a worker group runs, SIGINT and SIGTERM sent
 to the launcher must not kill it on the spot (its workers run in their own
 sessions and would be orphaned); instead they are recorded, and the supervisor
-(`launch.worker_group`) forwards them to the workers. Deciding what to do with
+(`tfdp.launch.worker_group`) forwards them to the workers. Deciding what to do with
 a signal is not this module's job.
 """
 

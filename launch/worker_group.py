@@ -6,10 +6,10 @@ copy their output with rank prefixes, notice the first one that fails, stop
 the rest (forward a signal, wait a grace period, then SIGKILL the whole
 process group) and `wait()` for every one of them, always. It does not decide
 what the workers run or how they find each other (TF_CONFIG, ranks: see
-`launch.local`) and does not parse flags (`launch.__main__`).
+`tfdp.launch.local`) and does not parse flags (`tfdp.launch.__main__`).
 
 A `WorkerGroup` is one attempt of one node's workers: restarting the group
-(`--max_restarts`, `launch.restarts`) means closing it and starting a new one
+(`--max_restarts`, `tfdp.launch.restarts`) means closing it and starting a new one
 from fresh specs, so nothing of a dead worker's process state carries over.
 Each worker's last lines of output are kept (`output_tail`) for the failure
 report.

@@ -5,7 +5,7 @@ function that builds it, and the checks `get` makes before and after calling
 a builder: the name is known, the keyword arguments are ones the builder
 accepts, and the model it returns is a `keras.Model` with logits of width
 `num_classes`. It builds nothing itself; the built-in families live in their
-own modules (`models.mlp`, `models.cnn`, ...) and register themselves when
+own modules (`tfdp.models.mlp`, `tfdp.models.cnn`, ...) and register themselves when
 `models` is imported.
 
 A builder is a function `(*, input_shape, num_classes, **options) ->

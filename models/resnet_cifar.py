@@ -12,7 +12,7 @@ CIFAR experiments used option A, zero-padding, which has 0.003M fewer
 parameters). Parameters: 0.27M (resnet20), 0.47M (resnet32), 0.86M
 (resnet56) for 10 classes.
 
-ImageNet's bottleneck ResNet-50 is `models.resnet50`.
+ImageNet's bottleneck ResNet-50 is `tfdp.models.resnet50`.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 This module owns the public entry point and its contract: validating the
 arguments (before anything is read or any collective runs) and handing one
-`pipelines.input_pipeline.InputPipeline` to
+`tfdp.pipelines.input_pipeline.InputPipeline` to
 `strategy.distribute_datasets_from_function`. The batch arithmetic is
 `tfdp.BatchConfig`'s; which examples each input pipeline reads, and the step
-count, are decided in `pipelines.sharding`; the sources are in
-`pipelines.source_registry`.
+count, are decided in `tfdp.pipelines.sharding`; the sources are in
+`tfdp.pipelines.source_registry`.
 
 Contract (what every input pipeline guarantees):
 
@@ -45,7 +45,7 @@ Order within a pipeline: read (its files, or every n-th example) -> cache ->
 shuffle (seeded, reshuffled every epoch) -> take whole steps -> parallel
 preprocess -> batch -> empty batches up to the step count -> prefetch (on the
 host; which strategies then copy batches to the devices ahead of the step is
-noted in `pipelines.input_pipeline`).
+noted in `tfdp.pipelines.input_pipeline`).
 
 Steps per epoch: the returned dataset's `cardinality` is `steps_per_epoch`,
 the number of global batches, in every configuration; Keras takes it as the
@@ -53,7 +53,7 @@ steps per epoch (progress bar, end of epoch). With a MirroredStrategy each
 replica gets its own pipeline (`InputReplicationMode.PER_REPLICA`). A
 MultiWorkerMirroredStrategy worker with several GPUs has one pipeline feeding
 all of them, for which `tf.distribute` reports replicas x steps;
-`pipelines._upstream.set_global_steps` corrects that (otherwise the progress
+`tfdp.pipelines._upstream.set_global_steps` corrects that (otherwise the progress
 bar is wrong and every epoch ends with "Your input ran out of data").
 """
 
@@ -127,7 +127,7 @@ def make_dataset(
             default, and for `"digits"` to `$TFDP_DATA_DIR` or
             `~/tensorflow_datasets` (generated there on first use).
         shard_policy: `"auto"` (default), `"file"`, `"data"` or `"off"`; see
-            `pipelines.sharding`.
+            `tfdp.pipelines.sharding`.
         drop_remainder: drop the final partial global batch (training only:
             evaluation never drops). Defaults to `training`. When False, the
             last batches of an epoch are partial or empty (see the module
@@ -136,7 +136,7 @@ def make_dataset(
         cache: cache source examples after the first epoch: `True` in memory,
             or a file path prefix. Defaults to False.
         preprocess: callable `(features, label) -> (features, label)` applied
-            per example in a parallel map (see `pipelines.preprocess`).
+            per example in a parallel map (see `tfdp.pipelines.preprocess`).
 
     Returns:
         A `tf.distribute.DistributedDataset` (a `tf.data.Dataset` under the

@@ -5,9 +5,9 @@ This module owns `InputPipeline`, the `dataset_fn` that
 pipeline's `tf.distribute.InputContext`, and `PipelineInfo`, the step and
 example accounting a training loop reads. The guarantees it implements
 (exactly once per epoch, equal step counts everywhere, partial and empty
-final batches instead of padding) are stated in `pipelines.distributed_dataset`, which also
+final batches instead of padding) are stated in `tfdp.pipelines.distributed_dataset`, which also
 validates the user's arguments; which examples a pipeline reads is decided
-in `pipelines.sharding`.
+in `tfdp.pipelines.sharding`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PipelineInfo:
             micro-batch); also as the properties below.
         num_input_pipelines: input pipelines (workers, or replicas with a
             MirroredStrategy).
-        shard_mode: how the split is divided (see `pipelines.sharding`).
+        shard_mode: how the split is divided (see `tfdp.pipelines.sharding`).
         shard_reason: why.
         pipeline_sizes: examples each input pipeline reads per epoch.
         examples_per_epoch: real examples seen per epoch.

@@ -11,7 +11,7 @@ random one sets the attribute `needs_seed = True` and takes a third argument,
 from its `seed`, so augmentation is reproducible (stateless random ops) even
 though the map runs in parallel, and differs from epoch to epoch.
 
-Batching, shuffling and padding of partial batches are `pipelines.distributed_dataset`.
+Batching, shuffling and padding of partial batches are `tfdp.pipelines.distributed_dataset`.
 """
 
 from __future__ import annotations

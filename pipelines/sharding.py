@@ -24,7 +24,7 @@ from metadata alone (no data is read, nothing is communicated):
    to the largest pipeline's step count. Either way every worker runs the same
    number of steps, which MultiWorkerMirroredStrategy needs to not hang.
 
-Building the datasets from the plan is `pipelines.distributed_dataset`.
+Building the datasets from the plan is `tfdp.pipelines.distributed_dataset`.
 """
 
 from __future__ import annotations

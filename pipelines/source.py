@@ -8,8 +8,8 @@ questions the sharding plan needs: how many examples there are, and how many
 each input pipeline would get if the source shards itself (by file, for TFDS).
 
 It does not batch, shuffle examples, shard by element or pad: that is
-`pipelines.distributed_dataset` and `pipelines.sharding`. Named sources (TFDS, digits,
-synthetic) live in their own modules and are looked up in `pipelines.source_registry`.
+`tfdp.pipelines.distributed_dataset` and `tfdp.pipelines.sharding`. Named sources (TFDS, digits,
+synthetic) live in their own modules and are looked up in `tfdp.pipelines.source_registry`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Source(abc.ABC):
     def context_shard_sizes(self, split: str, num_pipelines: int) -> list[int] | None:
         """Examples each of `num_pipelines` pipelines gets from `read(split,
         input_context=...)`, in pipeline order; `None` when the source cannot
-        shard itself that many ways (then `pipelines.distributed_dataset` shards by element).
+        shard itself that many ways (then `tfdp.pipelines.distributed_dataset` shards by element).
         """
         del split, num_pipelines
         return None
@@ -183,7 +183,7 @@ class CallableSource(Source):
 
     The function may shard by the context it is given (like the `dataset_fn`
     of `tf.distribute.Strategy.distribute_datasets_from_function`), or ignore
-    it and return every example; `pipelines.sharding` tells which by counting
+    it and return every example; `tfdp.pipelines.sharding` tells which by counting
     what it returns, and shards by element in the second case.
     """
 

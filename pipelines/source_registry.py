@@ -12,7 +12,7 @@ other kinds of `source`:
 - a callable `input_context -> tf.data.Dataset` of such examples;
 - a `pipelines.Source` instance (e.g. `SyntheticImages(image_shape=...)`).
 
-It does not read data; the sources do, and `pipelines.distributed_dataset` builds the
+It does not read data; the sources do, and `tfdp.pipelines.distributed_dataset` builds the
 pipeline around them.
 """
 

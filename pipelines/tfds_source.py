@@ -12,7 +12,7 @@ examples every other worker will read, without reading them.
 It never downloads: a training job's workers would all download at once. A
 dataset that is not prepared fails with an error that says where TFDS looked
 and how to prepare it (`prepare_tfds`). The digits builder is in
-`pipelines.digits`.
+`tfdp.pipelines.digits`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bind shim (`launch.bind`): workers listen on their own address, not on all interfaces."""
+"""The bind shim (`tfdp.launch.bind`): workers listen on their own address, not on all interfaces."""
 
 import ipaddress
 import json

@@ -1,4 +1,4 @@
-"""Tests for `launch.k8s` and `tfdp-launch k8s`: the TFJob manifest."""
+"""Tests for `tfdp.launch.k8s` and `tfdp-launch k8s`: the TFJob manifest."""
 
 import pytest
 import yaml

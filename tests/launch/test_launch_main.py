@@ -1,6 +1,6 @@
 """Tests for `tfdp-launch`: argument errors, and end-to-end runs.
 
-Argument errors are checked in-process through `launch.__main__.main(argv)`
+Argument errors are checked in-process through `tfdp.launch.__main__.main(argv)`
 (exit status 2 and the message), plus once through a real `tfdp-launch`.
 The end-to-end tests run the launcher as users do, through
 `tests/multiworker.py`, with plain-Python workers.

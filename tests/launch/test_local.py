@@ -1,4 +1,4 @@
-"""Tests for `launch.local`: worker environments, output, fail-fast, signals.
+"""Tests for `tfdp.launch.local`: worker environments, output, fail-fast, signals.
 
 These run the launcher library in the test process (`run_local` with in-memory
 output streams) on plain-Python workers, so each test costs well under a

@@ -1,4 +1,4 @@
-"""Tests for `launch.nodes`: `--hosts` parsing, the layout rule, address checks."""
+"""Tests for `tfdp.launch.nodes`: `--hosts` parsing, the layout rule, address checks."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Tests for `launch._proc`: /proc process state, parent-death signal, reaping."""
+"""Tests for `tfdp.launch._proc`: /proc process state, parent-death signal, reaping."""
 
 import os
 import signal

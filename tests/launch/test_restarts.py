@@ -1,4 +1,4 @@
-"""Tests for `launch.restarts` and `launch.local.restart_plan`: `--max_restarts`.
+"""Tests for `tfdp.launch.restarts` and `tfdp.launch.local.restart_plan`: `--max_restarts`.
 
 Plain-Python workers (no TensorFlow): worker 1 fails on its first two
 attempts (a counter file survives the restarts) and succeeds on the third;

@@ -1,4 +1,4 @@
-"""Tests for `launch.sbatch` and `tfdp-launch slurm`: the sbatch script.
+"""Tests for `tfdp.launch.sbatch` and `tfdp-launch slurm`: the sbatch script.
 
 (Named apart from `tests/distribute/test_slurm_env.py`, which tests `tfdp.distribute.slurm_env`.)
 """

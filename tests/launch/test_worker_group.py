@@ -1,4 +1,4 @@
-"""Tests for `launch.worker_group` and `launch.output`: the process life cycle."""
+"""Tests for `tfdp.launch.worker_group` and `tfdp.launch.output`: the process life cycle."""
 
 import io
 import os

@@ -1,4 +1,4 @@
-"""Tests for `pipelines.digits`: the offline TFDS dataset and its preparation."""
+"""Tests for `tfdp.pipelines.digits`: the offline TFDS dataset and its preparation."""
 
 import collections
 import os

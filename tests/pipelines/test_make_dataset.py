@@ -1,4 +1,4 @@
-"""Tests for `pipelines.distributed_dataset` and `pipelines.input_pipeline`: exactly once, equal steps."""
+"""Tests for `tfdp.pipelines.distributed_dataset` and `tfdp.pipelines.input_pipeline`: exactly once, equal steps."""
 
 import collections
 import logging

@@ -1,4 +1,4 @@
-"""Tests for `pipelines.preprocess`, against NumPy references."""
+"""Tests for `tfdp.pipelines.preprocess`, against NumPy references."""
 
 import numpy as np
 import pytest

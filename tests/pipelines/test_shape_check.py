@@ -1,4 +1,4 @@
-"""Tests for `pipelines.shape_check.check_model_compatible`."""
+"""Tests for `tfdp.pipelines.shape_check.check_model_compatible`."""
 
 import keras
 import pytest

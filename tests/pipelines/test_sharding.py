@@ -1,4 +1,4 @@
-"""Tests for `pipelines.sharding`: the shard plan and the step arithmetic."""
+"""Tests for `tfdp.pipelines.sharding`: the shard plan and the step arithmetic."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Tests for `pipelines.source_registry` and `pipelines.tfds_source`: names, TFDS, errors."""
+"""Tests for `tfdp.pipelines.source_registry` and `tfdp.pipelines.tfds_source`: names, TFDS, errors."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Tests for `pipelines.synthetic`."""
+"""Tests for `tfdp.pipelines.synthetic`."""
 
 import numpy as np
 import pytest

@@ -18,7 +18,7 @@ def _batched(input_context):
 
 
 def test_one_pipeline_for_two_replicas_reports_replicas_times_steps():
-    # Still needed: pipelines._upstream.set_global_steps.
+    # Still needed: tfdp.pipelines._upstream.set_global_steps.
     strategy = get_strategy("multiworker_local2")
     dataset = strategy.distribute_datasets_from_function(_batched)
     assert sum(1 for _ in dataset) == 5  # Global steps: 40 examples / 8.

@@ -5,7 +5,7 @@ of a job step to the `tfdp.distribute.cluster.ClusterConfig` a TF_CONFIG would h
 given (every task a `"worker"`, task 0 the chief). It reads only environment
 variables; it runs no Slurm command (no `scontrol`) and does not import
 TensorFlow. Handing the cluster to TensorFlow is `tfdp.distribute.strategy`'s job;
-writing batch scripts is `launch.sbatch`'s.
+writing batch scripts is `tfdp.launch.sbatch`'s.
 
 Variables read (all set by `srun` for every task of a step):
 

@@ -182,7 +182,7 @@ def check_own_port(config: cluster_lib.ClusterConfig | None) -> None:
     """Raises when this training task's own port is already taken on this machine.
 
     TensorFlow's gRPC server listens on the port of this task's TF_CONFIG
-    address on all interfaces (see `launch.nodes`), and fails with a bare
+    address on all interfaces (see `tfdp.launch.nodes`), and fails with a bare
     `UnknownError: Could not start gRPC server` when it cannot. This checks
     the same bind first (`tfdp.distribute.cluster.port_in_use`). Another process can
     still take the port between this check and TensorFlow's bind;
