@@ -7,7 +7,10 @@ The end-to-end tests run the launcher as users do, through
 """
 
 import json
+import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -84,6 +87,18 @@ def test_help_documents_env_and_exit_codes(capsys):
                      "--bind_all", "host_r:port_r+i", "r*N+i", "listens on all interfaces",
                      "tfdp-launch slurm --help", "tfdp-launch k8s --help"):
         assert fragment in text
+
+
+@pytest.mark.parametrize("command", [["tfdp-launch"], [sys.executable, "-m", "tfdp.launch"]],
+                         ids=["console_script", "python_m"])
+def test_the_installed_launcher_answers_help(command):
+    # The console script `tfdp-launch` and `python -m tfdp.launch` are one program.
+    executable = shutil.which(command[0])
+    assert executable, f"{command[0]} is not on PATH: pip install -e . installs it"
+    result = subprocess.run([executable, *command[1:], "--help"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: tfdp-launch --nproc_per_node N")
 
 
 @pytest.mark.slow
