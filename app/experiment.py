@@ -28,8 +28,10 @@ from tfdp.training import checkpointing
 from tfdp.callbacks import BackupAndRestore
 from tfdp.training import lr_schedules
 from tfdp import optimizers as tfdp_optimizers
-from tfdp.distribute import startup
+from tfdp.distribute import config_check
 from tfdp.distribute import strategy as strategy_lib
+from tfdp.distribute import devices
+from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training.batch import BatchConfig
 from tfdp.app.run_config import ConfigError
 from tfdp.app.run_config import RunConfig
@@ -176,11 +178,11 @@ def train_and_evaluate(
     if config.mixed_precision != "none":
         keras.config.set_dtype_policy(config.mixed_precision)
     strategy = strategy_lib.make_strategy(config.strategy, **strategy_options)
-    startup.check_same_config(strategy, config.to_dict())  # every worker, same flags
-    info = strategy_lib.strategy_info(strategy)
+    config_check.check_same_config(strategy, config.to_dict())  # every worker, same flags
+    info = strategy_info_lib.strategy_info(strategy)
     if config.jit_compile:
         try:
-            strategy_lib.check_jit_compile_supported(strategy)
+            devices.check_jit_compile_supported(strategy)
         except ValueError as error:
             raise ConfigError(f"--jit_compile: {error}") from None
 

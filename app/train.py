@@ -28,6 +28,8 @@ from absl import logging  # noqa: E402
 from tfdp.distribute import cluster as cluster_lib  # noqa: E402
 from tfdp.distribute import reduction  # noqa: E402
 from tfdp.app import run_config  # noqa: E402
+from tfdp.distribute import config_check  # noqa: E402
+from tfdp.distribute import peer_failures  # noqa: E402
 from tfdp.distribute import startup  # noqa: E402
 from tfdp.distribute import strategy as strategy_lib  # noqa: E402
 
@@ -203,14 +205,14 @@ def main(argv: Sequence[str]) -> None:
         config = config_from_flags()
         _check_names(config)
         _configure_logging(_process_is_chief())
-        with startup.explain_peer_failures(collective_timeout=config.collective_timeout):
+        with peer_failures.explain_peer_failures(collective_timeout=config.collective_timeout):
             experiment.train_and_evaluate(
                 config, build_dataset=_build_dataset(config), build_model=models.get
             )
-    except (run_config.ConfigError, startup.ConfigMismatchError) as error:
+    except (run_config.ConfigError, config_check.ConfigMismatchError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except (startup.StartupError, startup.PeerFailureError) as error:
+    except (startup.StartupError, peer_failures.PeerFailureError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(1)
 

@@ -64,9 +64,9 @@ def _compiled_mlp(strategy, accum_steps: int, spec: dict):
 
 
 def _local_device(strategy) -> str:
-    from tfdp.distribute import strategy as strategy_lib
+    from tfdp.distribute import strategy_info as strategy_info_lib
 
-    return strategy_lib.strategy_info(strategy).devices[0]
+    return strategy_info_lib.strategy_info(strategy).devices[0]
 
 
 def measure(spec: dict) -> dict:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import socket
-from typing import Any, Sequence
+from typing import Sequence
 
 from tfdp.distribute import cluster as cluster_lib
 from tfdp.launch import _checks

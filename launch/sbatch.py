@@ -25,7 +25,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from tfdp.launch import _checks
 

@@ -16,11 +16,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BatchConfig": "tfdp.training.batch",
     "compile": "tfdp.training.accumulation",
-    "configure_cpu_devices": "tfdp.distribute.strategy",
+    "configure_cpu_devices": "tfdp.distribute.devices",
     "make_strategy": "tfdp.distribute.strategy",
     "scale_lr": "tfdp.training.lr_schedules",
-    "strategy_info": "tfdp.distribute.strategy",
-    "StrategyInfo": "tfdp.distribute.strategy",
+    "strategy_info": "tfdp.distribute.strategy_info",
+    "StrategyInfo": "tfdp.distribute.strategy_info",
     "Trainer": "tfdp.training.trainer",
     "WarmupSchedule": "tfdp.training.lr_schedules",
 }

@@ -15,6 +15,7 @@ import tfdp
 from tfdp.distribute import cluster as cluster_lib
 from tfdp.distribute import startup
 from tfdp.distribute import strategy as strategy_lib
+from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import coordination
 
 
@@ -115,9 +116,9 @@ def test_plan_nccl_communication_falls_back_to_ring_without_gpus():
         (dict(kind="tpu"), "`kind` must be one of"),
         (dict(cross_device_ops="nvlink"), "`cross_device_ops` must be one of"),
         (dict(communication="mpi"), "`communication` must be one of"),
-        (dict(cpu_replicas=0), "`cpu_replicas` must be an integer >= 1"),
-        (dict(cpu_replicas=2.0), "`cpu_replicas` must be an integer >= 1"),
-        (dict(num_packs=0), "`num_packs` must be an integer >= 1"),
+        (dict(cpu_replicas=0), "`cpu_replicas` must be a positive integer"),
+        (dict(cpu_replicas=2.0), "`cpu_replicas` must be a positive integer"),
+        (dict(num_packs=0), "`num_packs` must be a positive integer"),
         (dict(bytes_per_pack=-1), "`bytes_per_pack` must be an integer >= 0"),
         (dict(timeout_seconds=0), "`timeout_seconds` must be a positive"),
         (dict(timeout_seconds="10"), "`timeout_seconds` must be a positive"),
@@ -189,7 +190,7 @@ def test_make_strategy_on_faked_gpus_passes_the_chosen_cross_device_ops(
 
 
 def _not_chief():
-    return strategy_lib.StrategyInfo("X", 1, 0, False, 4, (), "nccl")
+    return strategy_info_lib.StrategyInfo("X", 1, 0, False, 4, (), "nccl")
 
 
 _PORTS = cluster_lib.free_ports(2)

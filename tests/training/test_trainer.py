@@ -19,7 +19,7 @@ import tensorflow as tf
 import tfdp
 from strategy_testing import counting_mirrored_strategy
 from tfdp.training import checkpointing
-from tfdp.distribute import strategy as strategy_lib
+from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training.batch import BatchConfig
 from tfdp.training.trainer import Trainer
 
@@ -239,9 +239,9 @@ def _tfdp_log_messages(caplog):
 
 def _as_non_chief(monkeypatch, strategy):
     """Makes Trainer see `strategy` as worker 1 of 2, which is not the chief."""
-    info = dataclasses.replace(strategy_lib.strategy_info(strategy), num_workers=2,
+    info = dataclasses.replace(strategy_info_lib.strategy_info(strategy), num_workers=2,
                                worker_index=1, is_chief=False)
-    monkeypatch.setattr(strategy_lib, "strategy_info", lambda strategy=None: info)
+    monkeypatch.setattr(strategy_info_lib, "strategy_info", lambda strategy=None: info)
 
 
 def test_chief_logs_the_strategy_and_the_batch_at_start(caplog):

@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
 
-from tfdp.training.batch import num_batches
 from keras.src.trainers import epoch_iterator as _epoch_iterator
 from keras.src.trainers.data_adapters import data_adapter as _data_adapter
 
@@ -94,6 +93,9 @@ class EpochInput(_data_adapter.DataAdapter):
         position: called when an epoch starts; returns `(epoch, first_batch)`
             to run, or `None` outside a `fit` that uses the owning callback
             (Keras' symbolic build peeks at one batch then: epoch 0 is used).
+        num_batches: `dataset -> int`, the batches in one epoch's dataset (-1
+            infinite, -2 unknown); the caller's (`tfdp.training.batch.num_batches`),
+            so that this module depends on nothing of tfdp's.
     """
 
     def __init__(
@@ -102,10 +104,12 @@ class EpochInput(_data_adapter.DataAdapter):
         *,
         steps_per_epoch: int,
         position: Callable[[], tuple[int, int] | None],
+        num_batches: Callable[[Any], int],
     ):
         self._dataset_fn = dataset_fn
         self._steps_per_epoch = steps_per_epoch
         self._position = position
+        self._num_batches = num_batches
         self.in_use = False  # set when a `fit` adopts this input
 
     def dataset(self, epoch: int, skip: int = 0):
@@ -124,7 +128,7 @@ class EpochInput(_data_adapter.DataAdapter):
                 f"distributed dataset. Received: dataset_fn({epoch}) -> "
                 f"{type(dataset).__name__}"
             )
-        batches = num_batches(dataset)
+        batches = self._num_batches(dataset)
         if 0 <= batches < self._steps_per_epoch:
             raise ValueError(
                 f"Every epoch must have the same number of batches ({self._steps_per_epoch}) "

@@ -1,13 +1,16 @@
 """tfdp's runtime wing: the processes of a job, and what passes between them.
 
-- `cluster`: TF_CONFIG read, validated and written (no TensorFlow);
+- `cluster`: TF_CONFIG read, validated and written; free ports (no TensorFlow);
 - `slurm_env`: a Slurm job step's environment as a cluster (no TensorFlow);
 - `strategy`: which `tf.distribute.Strategy` and all-reduce a job runs under;
-- `startup`: failures between workers at start-up and in collectives, said plainly;
+- `strategy_info`: a built strategy in one line (workers, rank, replicas, devices);
+- `devices`: logical CPU devices, and where XLA can compile;
+- `startup`: workers that cannot start together (ports, the start-up deadline);
+- `config_check`: the same configuration on every worker;
+- `peer_failures`: stuck and dead peers while training;
+- `failure_text`: how those messages name workers and quote TensorFlow;
 - `preemption`: save-and-exit on SIGTERM at a step every worker agrees on;
 - `reduction`: how gradients are summed over replicas.
 
-Nothing here imports the training wing (`tfdp.training`), and nothing here
-imports TensorFlow at module level where the launcher needs it (`cluster`,
-`slurm_env`).
+Nothing here imports the training wing (`tfdp.training`).
 """

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import tensorflow as tf
 from absl import logging
 
+from tfdp import _checks
 from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import devices
 from tfdp.distribute import slurm_env
 from tfdp.distribute import startup
+from tfdp.distribute.strategy_info import strategy_info
 
 KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "collective")
@@ -76,58 +79,6 @@ class StrategyPlan:
     num_replicas: int = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class StrategyInfo:
-    """A summary of a strategy, as the chief logs it at start.
-
-    Attributes:
-        strategy: the strategy's class name, e.g. `"MirroredStrategy"`.
-        num_workers: worker processes taking part in training.
-        worker_index: this process's rank among them (0 is the chief).
-        is_chief: whether this process logs, and owns output files.
-        num_replicas_in_sync: replicas across all workers; each gets
-            `global_batch / num_replicas_in_sync` examples per step.
-        devices: this worker's compute devices, one per local replica.
-        all_reduce: the gradient all-reduce in use (see
-            `tfdp._upstream.strategy_internals.all_reduce_name`).
-    """
-
-    strategy: str
-    num_workers: int
-    worker_index: int
-    is_chief: bool
-    num_replicas_in_sync: int
-    devices: tuple[str, ...]
-    all_reduce: str
-
-    def describe(self) -> str:
-        """One line for the start-up log."""
-        return (
-            f"{self.strategy}: {self.num_workers} worker(s), this is worker "
-            f"{self.worker_index}{' (chief)' if self.is_chief else ''}; "
-            f"{self.num_replicas_in_sync} replica(s) in sync; local devices "
-            f"{', '.join(self.devices)}; all-reduce {self.all_reduce}"
-        )
-
-
-def _check_choice(name: str, value, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(
-            f"`{name}` must be one of {', '.join(map(repr, choices))}. "
-            f"Received: {name}={value!r}"
-        )
-
-
-def _check_positive_int(name: str, value, *, minimum: int = 1, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}"
-            f"{' or None' if allow_none else ''}. Received: {name}={value!r}"
-        )
-
-
 def plan_strategy(
     kind: str = "auto",
     *,
@@ -163,14 +114,14 @@ def plan_strategy(
         ValueError: an argument is out of range, or the combination cannot
             work (for example `kind="one_device"` with `cpu_replicas=2`).
     """
-    _check_choice("kind", kind, KINDS)
-    _check_choice("cross_device_ops", cross_device_ops, CROSS_DEVICE_OPS)
-    _check_choice("communication", communication, COMMUNICATIONS)
-    _check_positive_int("cpu_replicas", cpu_replicas, allow_none=True)
-    _check_positive_int("num_packs", num_packs)
-    _check_positive_int("bytes_per_pack", bytes_per_pack, minimum=0, allow_none=True)
-    _check_positive_int("num_gpus", num_gpus, minimum=0)
-    _check_positive_int("num_workers", num_workers)
+    _checks.check_choice("kind", kind, KINDS)
+    _checks.check_choice("cross_device_ops", cross_device_ops, CROSS_DEVICE_OPS)
+    _checks.check_choice("communication", communication, COMMUNICATIONS)
+    _checks.check_int("cpu_replicas", cpu_replicas, allow_none=True)
+    _checks.check_int("num_packs", num_packs)
+    _checks.check_int("bytes_per_pack", bytes_per_pack, minimum=0, allow_none=True)
+    _checks.check_int("num_gpus", num_gpus, minimum=0)
+    _checks.check_int("num_workers", num_workers)
     if timeout_seconds is not None and (
         isinstance(timeout_seconds, bool)
         or not isinstance(timeout_seconds, (int, float))
@@ -279,48 +230,6 @@ def plan_strategy(
         warnings=tuple(warnings),
         num_replicas=len(devices) if devices is not None else num_gpus,
     )
-
-
-def configure_cpu_devices(count: int) -> None:
-    """Splits the host CPU into `count` logical devices.
-
-    Lets every multi-replica code path run on a machine without GPUs: a
-    MirroredStrategy over `count` logical CPUs behaves like one over `count`
-    GPUs, with the CPU cores shared between them.
-
-    Must run before TensorFlow initialises its devices (before the first op,
-    tensor, model or strategy). When TensorFlow is already initialised with at
-    least `count` logical CPUs, this does nothing.
-
-    Args:
-        count: number of logical CPU devices, >= 1.
-
-    Raises:
-        ValueError: `count` is not a positive integer.
-        RuntimeError: TensorFlow already initialised its devices with fewer
-            than `count` logical CPUs.
-    """
-    _check_positive_int("cpu_replicas", count)
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    configured = tf.config.get_logical_device_configuration(cpu) or []
-    if len(configured) >= count:
-        return
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
-        )
-    except RuntimeError as error:
-        available = len(tf.config.list_logical_devices("CPU"))
-        if available >= count:
-            return
-        raise RuntimeError(
-            f"cpu_replicas={count} needs {count} logical CPU devices, but "
-            f"TensorFlow has already initialised its devices with {available}. "
-            f"Call tfdp.make_strategy(cpu_replicas={count}) (or "
-            f"tfdp.configure_cpu_devices({count})) at the start of the program, "
-            f"before any TensorFlow op runs or any tensor, model or strategy is "
-            f"created."
-        ) from error
 
 
 def _cross_device_ops(plan: StrategyPlan):
@@ -551,7 +460,7 @@ def make_strategy(
         startup_timeout=startup_timeout,
     )
     if plan.kind == "mirrored" and plan.devices is not None:
-        configure_cpu_devices(len(plan.devices))
+        devices.configure_cpu_devices(len(plan.devices))
     strategy = build_strategy(plan)
     info = strategy_info(strategy)
     if info.is_chief:
@@ -559,98 +468,3 @@ def make_strategy(
     return strategy
 
 
-def check_jit_compile_supported(strategy: tf.distribute.Strategy) -> None:
-    """Raises when XLA cannot compile a train step under `strategy`.
-
-    Two TensorFlow limitations, both on CPU devices:
-
-    - a MirroredStrategy over several CPU devices fails at run time with
-      "Trying to access resource ... located in device CPU:1 from device
-      CPU:0" (https://www.tensorflow.org/xla/known_issues#tfvariable_on_a_different_device);
-      Keras' own `jit_compile=True` fails the same way;
-    - a MultiWorkerMirroredStrategy on CPU workers fails at its first step with
-      "UnimplementedError: Collectives are not yet implemented for CPU devices
-      when compiling with XLA" (TensorFlow 2.21, b/194942685), and the peers
-      then fail with "Collective ops is aborted".
-
-    One device, and GPUs under either strategy, are fine.
-
-    Raises:
-        ValueError: `strategy` all-reduces between CPU devices.
-    """
-    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
-    if not isinstance(strategy, mirrored):
-        return  # default, OneDeviceStrategy
-    devices = tuple(strategy.extended.worker_devices)
-    on_cpu = any("CPU" in d.upper() for d in devices)
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        if on_cpu and strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "jit_compile=True cannot run on a MultiWorkerMirroredStrategy over CPU "
-                "workers: XLA has no CPU implementation of the collectives that "
-                "all-reduce the gradients (TensorFlow limitation, b/194942685). Use "
-                "jit_compile=False here; XLA works on GPU workers and on one device."
-            )
-        return
-    if len(devices) > 1 and on_cpu:
-        raise ValueError(
-            f"jit_compile=True cannot run on a MirroredStrategy over {len(devices)} CPU "
-            f"devices: XLA cannot reach variables on another logical CPU device "
-            f"(TensorFlow limitation). Use jit_compile=False here; XLA works on GPUs "
-            f"and on one device."
-        )
-
-
-def _public_name(strategy: tf.distribute.Strategy) -> str:
-    """The name users know the strategy by (`tf.distribute.<name>`)."""
-    for name in ("MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy"):
-        if isinstance(strategy, getattr(tf.distribute, name)):
-            return name
-    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
-        return "default"
-    return type(strategy).__name__
-
-
-def _local_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
-    try:
-        return tuple(strategy.extended.worker_devices)
-    except RuntimeError:
-        # The default strategy has no device list: it places ops where
-        # TensorFlow would without a strategy, the first GPU or the CPU.
-        gpus = tf.config.list_logical_devices("GPU")
-        return ((gpus or tf.config.list_logical_devices("CPU"))[0].name,)
-
-
-def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
-    """Summarises `strategy` (default: the current one) for logs and records.
-
-    Args:
-        strategy: a `tf.distribute.Strategy`; defaults to
-            `tf.distribute.get_strategy()`.
-
-    Returns:
-        A frozen `StrategyInfo`.
-    """
-    from tfdp._upstream import strategy_internals
-
-    strategy = strategy or tf.distribute.get_strategy()
-    resolver = getattr(strategy, "cluster_resolver", None)
-    num_workers, worker_index, is_chief = 1, 0, True
-    if resolver is not None and resolver.cluster_spec().jobs:
-        spec = resolver.cluster_spec()
-        num_chiefs = spec.num_tasks("chief") if "chief" in spec.jobs else 0
-        num_workers = num_chiefs + (
-            spec.num_tasks("worker") if "worker" in spec.jobs else 0
-        )
-        task_type, task_id = resolver.task_type, resolver.task_id or 0
-        worker_index = task_id + (num_chiefs if task_type == "worker" else 0)
-        is_chief = bool(strategy.extended.should_checkpoint)
-    return StrategyInfo(
-        strategy=_public_name(strategy),
-        num_workers=num_workers,
-        worker_index=worker_index,
-        is_chief=is_chief,
-        num_replicas_in_sync=strategy.num_replicas_in_sync,
-        devices=_local_devices(strategy),
-        all_reduce=strategy_internals.all_reduce_name(strategy),
-    )

@@ -36,7 +36,8 @@ import keras
 import tensorflow as tf
 
 from tfdp.training import nonfinite as nonfinite_lib
-from tfdp.distribute import strategy as strategy_lib
+from tfdp.distribute import devices
+from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import keras_train_function
 from tfdp._upstream import keras_train_step
 
@@ -232,7 +233,7 @@ def compile(  # pylint: disable=redefined-builtin
             integer, `nonfinite` or `max_consecutive_nonfinite` is invalid,
             the optimizer sets `gradient_accumulation_steps`, or
             `jit_compile=True` under a strategy where XLA cannot run (see
-            `tfdp.distribute.strategy.check_jit_compile_supported`).
+            `tfdp.distribute.devices.check_jit_compile_supported`).
     """
     _check_accum_steps(accum_steps)
     if (
@@ -246,7 +247,7 @@ def compile(  # pylint: disable=redefined-builtin
         )
     nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
     if jit_compile:
-        strategy_lib.check_jit_compile_supported(model.distribute_strategy)
+        devices.check_jit_compile_supported(model.distribute_strategy)
     keras_accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
     if keras_accumulation:
         raise ValueError(
@@ -284,7 +285,7 @@ def compile(  # pylint: disable=redefined-builtin
     if nonfinite_lib.guard_of(model.optimizer) is not None:
         # After every execution: log skips, stop at the limit.
         nonfinite_lib.install_fit_check(
-            model, log=strategy_lib.strategy_info(model.distribute_strategy).is_chief
+            model, log=strategy_info_lib.strategy_info(model.distribute_strategy).is_chief
         )
     model.tfdp_accum_steps = accum_steps
     return model

@@ -35,7 +35,8 @@ from tfdp.training import accumulation
 from tfdp.training import checkpointing
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.distribute import preemption
-from tfdp.distribute import strategy as strategy_lib
+from tfdp.distribute import devices
+from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import batch as batch_lib
 from tfdp.training.batch import BatchConfig
 
@@ -210,7 +211,7 @@ class Trainer:
         _check_positive("max_to_keep", max_to_keep)
         nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
         if jit_compile:
-            strategy_lib.check_jit_compile_supported(strategy)
+            devices.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "`model` must be built (give it an Input or call it once) and have "
@@ -237,7 +238,7 @@ class Trainer:
         self.model_dir = model_dir
         self.steps_per_loop = steps_per_loop
         self.checkpoint_every = checkpoint_every
-        self.info = strategy_lib.strategy_info(strategy)
+        self.info = strategy_info_lib.strategy_info(strategy)
         self._per_example_loss = _per_example_loss_fn(loss)
         self._loss_name = _loss_name(loss)
 

@@ -15,6 +15,7 @@ import pytest
 
 import backup_testing as bt
 from tfdp._upstream import keras_fit_resume
+from tfdp.training import batch as batch_lib
 from keras.src.trainers.data_adapters import data_adapter
 
 
@@ -72,7 +73,8 @@ def test_without_the_patch_every_epoch_starts_at_batch_0():
     model = _model()
     position = (0, 2)
     epoch_input = keras_fit_resume.EpochInput(
-        bt.dataset_for_epoch, steps_per_epoch=bt.STEPS_PER_EPOCH, position=lambda: position)
+        bt.dataset_for_epoch, steps_per_epoch=bt.STEPS_PER_EPOCH, position=lambda: position,
+        num_batches=batch_lib.num_batches)
     recorder = _Batches()
     keras_fit_resume.install()
     assert keras_fit_resume.uninstall()

@@ -36,7 +36,7 @@ from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
 from tfdp.training import nonfinite
 from tfdp.distribute import preemption
-from tfdp.distribute import strategy as strategy_lib
+from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import keras_fit_resume
 
 PREEMPTION_EXIT_CODE = preemption.PREEMPTION_EXIT_CODE
@@ -234,7 +234,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"Received: steps_per_epoch={steps_per_epoch!r}"
             )
         self._input = keras_fit_resume.EpochInput(
-            dataset_fn, steps_per_epoch=steps_per_epoch, position=self._position
+            dataset_fn, steps_per_epoch=steps_per_epoch, position=self._position,
+            num_batches=batch_lib.num_batches,
         )
         return self._input
 
@@ -251,7 +252,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._training = False
         model = self.model
         strategy = model.distribute_strategy
-        self._info = strategy_lib.strategy_info(strategy)
+        self._info = strategy_info_lib.strategy_info(strategy)
         self._wrapped = self._input is not None and self._input.in_use
         if self._wrapped:
             self._input.in_use = False  # the next fit must adopt it again

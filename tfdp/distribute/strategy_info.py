@@ -1,0 +1,102 @@
+"""What a strategy is, in one line: `StrategyInfo` and `strategy_info`.
+
+This module owns the summary of a built `tf.distribute.Strategy` that the
+chief logs at start and that training code reads (workers, this worker's
+rank, replicas in sync, local devices, the all-reduce). It builds nothing:
+choosing and building the strategy is `tfdp.distribute.strategy`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyInfo:
+    """A summary of a strategy, as the chief logs it at start.
+
+    Attributes:
+        strategy: the strategy's class name, e.g. `"MirroredStrategy"`.
+        num_workers: worker processes taking part in training.
+        worker_index: this process's rank among them (0 is the chief).
+        is_chief: whether this process logs, and owns output files.
+        num_replicas_in_sync: replicas across all workers; each gets
+            `global_batch / num_replicas_in_sync` examples per step.
+        devices: this worker's compute devices, one per local replica.
+        all_reduce: the gradient all-reduce in use (see
+            `tfdp._upstream.strategy_internals.all_reduce_name`).
+    """
+
+    strategy: str
+    num_workers: int
+    worker_index: int
+    is_chief: bool
+    num_replicas_in_sync: int
+    devices: tuple[str, ...]
+    all_reduce: str
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"{self.strategy}: {self.num_workers} worker(s), this is worker "
+            f"{self.worker_index}{' (chief)' if self.is_chief else ''}; "
+            f"{self.num_replicas_in_sync} replica(s) in sync; local devices "
+            f"{', '.join(self.devices)}; all-reduce {self.all_reduce}"
+        )
+
+
+def _public_name(strategy: tf.distribute.Strategy) -> str:
+    """The name users know the strategy by (`tf.distribute.<name>`)."""
+    for name in ("MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy"):
+        if isinstance(strategy, getattr(tf.distribute, name)):
+            return name
+    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        return "default"
+    return type(strategy).__name__
+
+
+def _local_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
+    try:
+        return tuple(strategy.extended.worker_devices)
+    except RuntimeError:
+        # The default strategy has no device list: it places ops where
+        # TensorFlow would without a strategy, the first GPU or the CPU.
+        gpus = tf.config.list_logical_devices("GPU")
+        return ((gpus or tf.config.list_logical_devices("CPU"))[0].name,)
+
+
+def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
+    """Summarises `strategy` (default: the current one) for logs and records.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`; defaults to
+            `tf.distribute.get_strategy()`.
+
+    Returns:
+        A frozen `StrategyInfo`.
+    """
+    from tfdp._upstream import strategy_internals
+
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    num_workers, worker_index, is_chief = 1, 0, True
+    if resolver is not None and resolver.cluster_spec().jobs:
+        spec = resolver.cluster_spec()
+        num_chiefs = spec.num_tasks("chief") if "chief" in spec.jobs else 0
+        num_workers = num_chiefs + (
+            spec.num_tasks("worker") if "worker" in spec.jobs else 0
+        )
+        task_type, task_id = resolver.task_type, resolver.task_id or 0
+        worker_index = task_id + (num_chiefs if task_type == "worker" else 0)
+        is_chief = bool(strategy.extended.should_checkpoint)
+    return StrategyInfo(
+        strategy=_public_name(strategy),
+        num_workers=num_workers,
+        worker_index=worker_index,
+        is_chief=is_chief,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        devices=_local_devices(strategy),
+        all_reduce=strategy_internals.all_reduce_name(strategy),
+    )
