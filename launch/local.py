@@ -49,6 +49,7 @@ import time
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import local_cluster
 
 from tfdp.launch import _checks
 from tfdp.launch import bind as bind_lib
@@ -167,7 +168,7 @@ def _check_max_restarts(max_restarts: Any) -> None:
 
 # Binds where TensorFlow will (all interfaces), as gRPC does; shared with
 # `tfdp.distribute.startup`, which checks again inside each worker.
-port_in_use = cluster_lib.port_in_use
+port_in_use = local_cluster.port_in_use
 
 
 def _check_ports_free(ports: Sequence[int], *, where: str, fix: str) -> None:
@@ -266,7 +267,7 @@ def plan_local(
     _check_grace_period(grace_period)
     _check_max_restarts(max_restarts)
     if port is None:
-        ports = tuple(cluster_lib.free_ports(nproc_per_node,
+        ports = tuple(local_cluster.free_ports(nproc_per_node,
                                              host=nodes_lib.TENSORFLOW_LISTEN_ADDRESS))
     else:
         if isinstance(port, bool) or not isinstance(port, int):
@@ -428,7 +429,7 @@ def restart_plan(
         ports = plan.ports
         addresses = plan.addresses or tuple(f"{plan.host}:{p}" for p in ports)
     else:
-        ports = tuple(cluster_lib.free_ports(plan.nproc_per_node,
+        ports = tuple(local_cluster.free_ports(plan.nproc_per_node,
                                              host=nodes_lib.TENSORFLOW_LISTEN_ADDRESS))
         addresses = tuple(f"{plan.host}:{p}" for p in ports)
     workers = []

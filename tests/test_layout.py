@@ -115,7 +115,8 @@ def test_no_module_imports_a_higher_layer(module):
 def test_launcher_imports_only_the_light_runtime_modules():
     # The launcher starts in well under a second: no TensorFlow, so from the
     # library only the modules that load without it.
-    light = {"tfdp", "tfdp._checks", "tfdp.distribute.cluster", "tfdp.distribute.slurm_env"}
+    light = {"tfdp", "tfdp._checks", "tfdp.distribute.cluster", "tfdp.distribute.local_cluster",
+             "tfdp.distribute.slurm_env"}
     for module, path in MODULES.items():
         if not module.startswith("tfdp.launch"):
             continue

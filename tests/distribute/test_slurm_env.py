@@ -300,3 +300,32 @@ def test_two_workers_all_reduce_inside_a_faked_slurm_step(tmp_path):
     assert result.exit_code == 0, text + err.getvalue().decode(errors="replace")[-5000:]
     assert sorted(line for line in text.splitlines() if "all-reduce" in line) == [
         "[0] all-reduce 2.0 worker 0 of 2", "[1] all-reduce 2.0 worker 1 of 2"]
+
+
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "17"}, None),
+        ({"SLURM_NTASKS": "8"}, 8),
+        ({"SLURM_NPROCS": "3"}, 3),
+        ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "8"}, 4),
+        ({"SLURM_STEP_NUM_TASKS": "", "SLURM_NTASKS": "2"}, 2),
+    ],
+)
+def test_slurm_num_tasks(environ, expected):
+    assert slurm_env.slurm_num_tasks(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "four", "2(x3)"])
+def test_slurm_num_tasks_rejects_garbage(value):
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS must be a positive integer.*Received"):
+        slurm_env.slurm_num_tasks({"SLURM_NTASKS": value})
+
+
+def test_slurm_num_tasks_defaults_to_os_environ(monkeypatch):
+    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
+        monkeypatch.delenv(name, raising=False)
+    assert slurm_env.slurm_num_tasks() is None
+    monkeypatch.setenv("SLURM_NTASKS", "6")
+    assert slurm_env.slurm_num_tasks() == 6

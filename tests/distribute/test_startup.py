@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from multiworker import REPO_ROOT
 from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import local_cluster
 from tfdp.distribute import startup
 
 
@@ -71,7 +72,7 @@ def test_own_port_in_use_is_refused_naming_the_port_and_the_fix():
 
 
 def test_a_free_own_port_passes():
-    port = cluster_lib.free_ports(1)[0]
+    port = local_cluster.free_ports(1)[0]
     startup.check_own_port(_config(0, ports=(port, 1234)))
 
 
@@ -131,7 +132,7 @@ def _listening_socket():
 
 def test_the_leaders_timeout_names_the_missing_worker_and_not_the_first_at_the_barrier():
     with _listening_socket() as peer:
-        ports = (cluster_lib.free_ports(1)[0], peer.getsockname()[1], cluster_lib.free_ports(1)[0])
+        ports = (local_cluster.free_ports(1)[0], peer.getsockname()[1], local_cluster.free_ports(1)[0])
         message = startup.unanswered_message(_config(0, ports), 5.0, _LEADER_TIMEOUT)
     assert "on worker 0 (127.0.0.1:" in message
     assert "1 other worker did not answer within startup_timeout=5 s" in message
@@ -144,7 +145,7 @@ def test_the_leaders_timeout_names_the_missing_worker_and_not_the_first_at_the_b
 def test_peers_tensorflow_does_not_name_are_found_by_probing_their_ports():
     # The coordination service names at most two stragglers; a port nobody
     # listens on adds the others.
-    ports = tuple(cluster_lib.free_ports(3))
+    ports = tuple(local_cluster.free_ports(3))
     message = startup.unanswered_message(_config(0, ports), 5.0, _LEADER_TIMEOUT)
     assert (f"2 other workers did not answer within startup_timeout=5 s: worker 2 (127.0.0.1:"
             f"{ports[2]}): nothing listens there; worker 1 (127.0.0.1:{ports[1]}): nothing "
@@ -152,7 +153,7 @@ def test_peers_tensorflow_does_not_name_are_found_by_probing_their_ports():
 
 
 def test_a_worker_whose_leader_never_answered_names_the_leader():
-    ports = tuple(cluster_lib.free_ports(2))
+    ports = tuple(local_cluster.free_ports(2))
     message = startup.unanswered_message(_config(1, ports), 5.0, _NO_LEADER)
     assert f"worker 0 (127.0.0.1:{ports[0]}): nothing listens there" in message
     assert "could not start on worker 1" in message
@@ -160,14 +161,14 @@ def test_a_worker_whose_leader_never_answered_names_the_leader():
 
 def test_a_peer_that_listens_but_never_joined_is_told_apart():
     with _listening_socket() as peer:
-        ports = (cluster_lib.free_ports(1)[0], peer.getsockname()[1])
+        ports = (local_cluster.free_ports(1)[0], peer.getsockname()[1])
         text = _LEADER_TIMEOUT.replace("task:2\n", "task:1\n")
         message = startup.unanswered_message(_config(0, ports), 5.0, text)
     assert f"worker 1 (127.0.0.1:{ports[1]}): its port answers, but it never joined" in message
 
 
 def test_a_deadline_while_starting_becomes_a_startup_error():
-    ports = tuple(cluster_lib.free_ports(2))
+    ports = tuple(local_cluster.free_ports(2))
     with pytest.raises(startup.StartupError, match=f"127.0.0.1:{ports[0]}") as error:
         with startup.explain_startup_failure(_config(1, ports), 5.0):
             raise tf.errors.DeadlineExceededError(None, None, _NO_LEADER)
@@ -211,8 +212,8 @@ def _took(result):
 @pytest.mark.slow
 @pytest.mark.parametrize("started", [0, 1], ids=["only_the_leader", "only_worker_1"])
 def test_a_peer_that_never_starts_fails_within_the_startup_timeout(started):
-    ports = cluster_lib.free_ports(2)
-    tf_config = cluster_lib.local_tf_config(2, started, ports=ports)
+    ports = local_cluster.free_ports(2)
+    tf_config = local_cluster.local_tf_config(2, started, ports=ports)
     result, seconds = _run_python(_MAKE_STRATEGY.format(prelude=_PRELOAD, arguments="startup_timeout=5"),
                                   {"TF_CONFIG": json.dumps(tf_config)}, timeout=90)
     missing = f"127.0.0.1:{ports[1 - started]}"
@@ -226,8 +227,8 @@ def test_a_peer_that_never_starts_fails_within_the_startup_timeout(started):
 
 @pytest.mark.slow
 def test_the_startup_timeout_comes_from_the_environment_in_a_worker():
-    ports = cluster_lib.free_ports(2)
-    tf_config = cluster_lib.local_tf_config(2, 0, ports=ports)
+    ports = local_cluster.free_ports(2)
+    tf_config = local_cluster.local_tf_config(2, 0, ports=ports)
     result, _ = _run_python(_MAKE_STRATEGY.format(prelude=_PRELOAD, arguments=""),
                             {"TF_CONFIG": json.dumps(tf_config), "TFDP_STARTUP_TIMEOUT": "3"},
                             timeout=90)
@@ -241,7 +242,7 @@ def test_a_worker_whose_port_is_taken_fails_at_once_naming_it():
         holder.bind(("0.0.0.0", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        tf_config = cluster_lib.local_tf_config(2, 1, ports=[cluster_lib.free_ports(1)[0], port])
+        tf_config = local_cluster.local_tf_config(2, 1, ports=[local_cluster.free_ports(1)[0], port])
         result, _ = _run_python(_MAKE_STRATEGY.format(prelude="import tfdp.distribute.strategy", arguments="startup_timeout=30"),
                                 {"TF_CONFIG": json.dumps(tf_config)}, timeout=90)
     assert result.returncode != 0

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
-from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import local_cluster
 from tfdp.distribute import startup
 from tfdp.distribute import strategy as strategy_lib
 from tfdp.distribute import strategy_info as strategy_info_lib
@@ -193,11 +193,11 @@ def _not_chief():
     return strategy_info_lib.StrategyInfo("X", 1, 0, False, 4, (), "nccl")
 
 
-_PORTS = cluster_lib.free_ports(2)
+_PORTS = local_cluster.free_ports(2)
 
 
 def _two_worker_tf_config(index=0, ports=_PORTS):
-    return json.dumps(cluster_lib.local_tf_config(2, index, ports=list(ports)))
+    return json.dumps(local_cluster.local_tf_config(2, index, ports=list(ports)))
 
 
 def test_auto_reads_a_multi_worker_tf_config_from_the_environment(monkeypatch):

@@ -27,7 +27,8 @@ from multiworker import (
     wait_for_files,
     write_worker_script,
 )
-from tfdp.distribute.cluster import free_ports, parse_tf_config
+from tfdp.distribute.cluster import parse_tf_config
+from tfdp.distribute.local_cluster import free_ports
 
 
 @pytest.mark.parametrize(

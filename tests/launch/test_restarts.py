@@ -143,7 +143,7 @@ def test_restart_reuses_fixed_ports_and_picks_fresh_free_ones(tmp_path, pid_dir,
     if not fixed:
         # Make "fresh" observable: the restart must ask for new free ports.
         picks = iter([[41001, 41002], [41011, 41012], [41021, 41022]])
-        monkeypatch.setattr(local.cluster_lib, "free_ports", lambda n, host: next(picks))
+        monkeypatch.setattr(local.local_cluster, "free_ports", lambda n, host: next(picks))
     code, _, err, _ = _run(tmp_path, pid_dir, FAILS_TWICE_WORKER, max_restarts=2, port=port)
     assert code == 0, err
     clusters = [parse_tf_config(records[0]["TF_CONFIG"]).cluster["worker"]

@@ -1,6 +1,7 @@
 """tfdp's runtime wing: the processes of a job, and what passes between them.
 
-- `cluster`: TF_CONFIG read, validated and written; free ports (no TensorFlow);
+- `cluster`: TF_CONFIG read, validated and written (no TensorFlow);
+- `local_cluster`: free ports and TF_CONFIG for N workers on this host (no TensorFlow);
 - `slurm_env`: a Slurm job step's environment as a cluster (no TensorFlow);
 - `strategy`: which `tf.distribute.Strategy` and all-reduce a job runs under;
 - `strategy_info`: a built strategy in one line (workers, rank, replicas, devices);

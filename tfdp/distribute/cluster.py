@@ -4,9 +4,9 @@ This module owns the description of a multi-worker job *before* TensorFlow
 sees it: which tasks exist, at which `host:port` addresses, and which task this
 process is. It parses and validates `TF_CONFIG` (so a typo fails in a second
 with a message naming the field, instead of a hang in the first collective),
-builds TF_CONFIG for N workers on one host (used by `tfdp-launch`), picks
-free ports and reads the task count of a Slurm job step (the step's cluster
-itself is `tfdp.distribute.slurm_env`'s).
+and writes it back. A cluster of N workers on this host (free ports,
+TF_CONFIG for each) is `tfdp.distribute.local_cluster`'s; a Slurm job step's
+is `tfdp.distribute.slurm_env`'s.
 
 It does not import TensorFlow and does not build strategies: that is
 `tfdp.distribute.strategy`'s job. Launching processes belongs to the `launch` package.
@@ -27,20 +27,19 @@ malformed `host:port` strings and `ps` tasks (tfdp does not support
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import re
-import socket
 import types
 from typing import Any, Mapping, Sequence
+
+from tfdp import _checks
 
 #: Task types `tf.distribute.MultiWorkerMirroredStrategy` understands.
 TASK_TYPES = ("chief", "worker", "evaluator")
 #: Task types that train (take part in the gradient all-reduce), in rank order.
 TRAINING_TASK_TYPES = ("chief", "worker")
 
-_MAX_ECHO_CHARS = 300
 # A hostname, an IPv4 address or a bracketed IPv6 address, then ":port".
 _HOST_PATTERN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)$")
 
@@ -56,31 +55,23 @@ _TF_CONFIG_FIELD_NAMES = {
 }
 
 
-def _echo(value: Any) -> str:
-    """`repr` of a received value, shortened so error messages stay readable."""
-    text = repr(value)
-    if len(text) > _MAX_ECHO_CHARS:
-        text = text[:_MAX_ECHO_CHARS] + "...<truncated>"
-    return text
-
-
-def _check_address(address: Any, *, where: str) -> str:
+def check_address(address: Any, *, where: str) -> str:
     """Returns `address` if it is a valid "host:port" string, else raises."""
     rule = (
         f'`{where}` must be a "host:port" string with a port in [1, 65535], '
         'e.g. "10.0.0.1:2222" or "[::1]:2222".'
     )
     if not isinstance(address, str):
-        raise ValueError(f"{rule} Received: {where}={_echo(address)}")
+        raise ValueError(f"{rule} Received: {where}={_checks.echo(address)}")
     host, sep, port = address.rpartition(":")
     if not sep or not _HOST_PATTERN.match(host) or (":" in host and not host.startswith("[")):
         raise ValueError(
-            f"{rule} Received: {where}={_echo(address)} (the host part is "
+            f"{rule} Received: {where}={_checks.echo(address)} (the host part is "
             "missing or malformed; IPv6 hosts need brackets)."
         )
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(
-            f"{rule} Received: {where}={_echo(address)} (port {port!r} is not "
+            f"{rule} Received: {where}={_checks.echo(address)} (port {port!r} is not "
             "an integer in [1, 65535])."
         )
     return address
@@ -103,7 +94,7 @@ def _validate(
             f"`{cluster_name}` must be a non-empty mapping from task type "
             f'("chief", "worker", "evaluator") to a list of "host:port" '
             f"addresses, e.g. {{\"worker\": [\"127.0.0.1:2222\", "
-            f"\"127.0.0.1:2223\"]}}. Received: {cluster_name}={_echo(cluster)}"
+            f"\"127.0.0.1:2223\"]}}. Received: {cluster_name}={_checks.echo(cluster)}"
         )
     normalized: dict[str, tuple[str, ...]] = {}
     seen: dict[str, str] = {}
@@ -115,36 +106,36 @@ def _validate(
                 "which tfdp does not support; tfdp trains with "
                 "MultiWorkerMirroredStrategy, whose tasks are "
                 f"{', '.join(TASK_TYPES)}. Remove the \"ps\" job. "
-                f"Received: {cluster_name}={_echo(dict(cluster))}"
+                f"Received: {cluster_name}={_checks.echo(dict(cluster))}"
             )
         if job not in TASK_TYPES:
             raise ValueError(
                 f"`{cluster_name}` keys must be task types in {TASK_TYPES}. "
-                f"Received an unknown task type {_echo(job)} in "
-                f"{cluster_name}={_echo(dict(cluster))}"
+                f"Received an unknown task type {_checks.echo(job)} in "
+                f"{cluster_name}={_checks.echo(dict(cluster))}"
             )
         if isinstance(addresses, (str, bytes)) or not isinstance(addresses, Sequence):
             raise ValueError(
                 f'`{cluster_name}["{job}"]` must be a list of "host:port" strings '
                 f"(one per task). Received: {cluster_name}[\"{job}\"]="
-                f"{_echo(addresses)}"
+                f"{_checks.echo(addresses)}"
             )
         if not addresses:
             raise ValueError(
                 f'`{cluster_name}["{job}"]` must list at least one "host:port" '
                 f"address; remove the \"{job}\" key if there are no {job} "
-                f"tasks. Received: {cluster_name}[\"{job}\"]={_echo(addresses)}"
+                f"tasks. Received: {cluster_name}[\"{job}\"]={_checks.echo(addresses)}"
             )
         for i, address in enumerate(addresses):
             where = f'{cluster_name}["{job}"][{i}]'
-            _check_address(address, where=where)
+            check_address(address, where=where)
             key = address.lower()
             if key in seen:
                 raise ValueError(
                     f"Every address in `{cluster_name}` must be unique: two tasks "
-                    f"cannot listen on the same host:port. {_echo(address)} is "
+                    f"cannot listen on the same host:port. {_checks.echo(address)} is "
                     f"both {seen[key]} and {where}. Give each task its own port. "
-                    f"Received: {cluster_name}={_echo(dict(cluster))}"
+                    f"Received: {cluster_name}={_checks.echo(dict(cluster))}"
                 )
             seen[key] = where
         normalized[job] = tuple(addresses)
@@ -153,44 +144,44 @@ def _validate(
         raise ValueError(
             f'`{cluster_name}["chief"]` must have at most one address (there is '
             "at most one chief; list the other tasks under \"worker\"). "
-            f'Received: {cluster_name}["chief"]={_echo(list(normalized["chief"]))}'
+            f'Received: {cluster_name}["chief"]={_checks.echo(list(normalized["chief"]))}'
         )
     if len(normalized.get("evaluator", ())) > 1:
         raise ValueError(
             f'`{cluster_name}["evaluator"]` must have at most one address (there '
             "is at most one evaluator). "
             f'Received: {cluster_name}["evaluator"]='
-            f'{_echo(list(normalized["evaluator"]))}'
+            f'{_checks.echo(list(normalized["evaluator"]))}'
         )
     if not any(job in normalized for job in TRAINING_TASK_TYPES):
         raise ValueError(
             f'`{cluster_name}` must contain a "chief" or a "worker" job: those are '
-            f"the tasks that train. Received: {cluster_name}={_echo(dict(cluster))}"
+            f"the tasks that train. Received: {cluster_name}={_checks.echo(dict(cluster))}"
         )
 
     if task_type == "ps":
         raise ValueError(
             f'`{type_name}`="ps" is a parameter-server task of '
             "`ParameterServerStrategy`, which tfdp does not support. Use one of "
-            f"{TASK_TYPES}. Received: {type_name}={_echo(task_type)}"
+            f"{TASK_TYPES}. Received: {type_name}={_checks.echo(task_type)}"
         )
     if not isinstance(task_type, str) or task_type not in TASK_TYPES:
         raise ValueError(
             f"`{type_name}` must be one of {TASK_TYPES}. "
-            f"Received: {type_name}={_echo(task_type)}"
+            f"Received: {type_name}={_checks.echo(task_type)}"
         )
     # TensorFlow lets an evaluator be absent from the cluster (it runs on its
     # own, outside the training collectives); everything else must be listed.
     if task_type not in normalized and task_type != "evaluator":
         raise ValueError(
             f"`{type_name}` must name a job in `{cluster_name}`, which has jobs "
-            f"{sorted(normalized)}. Received: {type_name}={_echo(task_type)}. "
+            f"{sorted(normalized)}. Received: {type_name}={_checks.echo(task_type)}. "
             f'Add a "{task_type}" list to {cluster_name} or fix the task type.'
         )
     if isinstance(task_index, bool) or not isinstance(task_index, int):
         raise ValueError(
             f"`{index_name}` must be an integer (this task's position in its "
-            f"job's address list). Received: {index_name}={_echo(task_index)}"
+            f"job's address list). Received: {index_name}={_checks.echo(task_index)}"
         )
     # An evaluator absent from the cluster is the one evaluator: index 0.
     num_tasks = len(normalized[task_type]) if task_type in normalized else 1
@@ -245,7 +236,7 @@ class ClusterConfig:
         ):
             raise ValueError(
                 "`rpc_layer` must be a non-empty string such as \"grpc\", or None. "
-                f"Received: rpc_layer={_echo(self.rpc_layer)}"
+                f"Received: rpc_layer={_checks.echo(self.rpc_layer)}"
             )
         # Frozen: store an immutable copy so the config cannot change under us.
         object.__setattr__(self, "cluster", types.MappingProxyType(normalized))
@@ -375,7 +366,7 @@ def parse_tf_config(
     if not isinstance(raw, str):
         raise TypeError(
             f"`raw` must be a TF_CONFIG JSON string or None. "
-            f"Received: raw={_echo(raw)} of type {type(raw).__name__}"
+            f"Received: raw={_checks.echo(raw)} of type {type(raw).__name__}"
         )
     if not raw.strip():
         return None
@@ -385,235 +376,47 @@ def parse_tf_config(
         raise ValueError(
             f"TF_CONFIG must be valid JSON ({e.msg} at line {e.lineno} column "
             f"{e.colno}). Build it with `json.dumps` rather than by hand. "
-            f"Received: TF_CONFIG={_echo(raw)}"
+            f"Received: TF_CONFIG={_checks.echo(raw)}"
         ) from None
     if not isinstance(tf_config, dict):
         raise ValueError(
             'TF_CONFIG must be a JSON object like {"cluster": {...}, "task": '
             '{"type": "worker", "index": 0}}. '
-            f"Received: TF_CONFIG={_echo(raw)}"
+            f"Received: TF_CONFIG={_checks.echo(raw)}"
         )
     for key in ("cluster", "task"):
         if key not in tf_config:
             raise ValueError(
                 f'TF_CONFIG must have a "{key}" key: "cluster" maps task types '
                 'to "host:port" lists and "task" is {"type": ..., "index": ...}. '
-                f"Received: TF_CONFIG={_echo(raw)}"
+                f"Received: TF_CONFIG={_checks.echo(raw)}"
             )
     task = tf_config["task"]
     if not isinstance(task, dict):
         raise ValueError(
             '`TF_CONFIG["task"]` must be an object {"type": ..., "index": ...}. '
-            f'Received: TF_CONFIG["task"]={_echo(task)}'
+            f'Received: TF_CONFIG["task"]={_checks.echo(task)}'
         )
     if "type" not in task:
         raise ValueError(
             f'`TF_CONFIG["task"]["type"]` is missing; set it to one of '
-            f'{TASK_TYPES}. Received: TF_CONFIG["task"]={_echo(task)}'
+            f'{TASK_TYPES}. Received: TF_CONFIG["task"]={_checks.echo(task)}'
         )
     if "index" not in task:
         raise ValueError(
             '`TF_CONFIG["task"]["index"]` is missing; set it to this task\'s '
             "position in its job's address list (TensorFlow would silently use "
             "0, which makes two tasks claim the same rank). "
-            f'Received: TF_CONFIG["task"]={_echo(task)}'
+            f'Received: TF_CONFIG["task"]={_checks.echo(task)}'
         )
     rpc_layer = tf_config.get("rpc_layer")
     if rpc_layer is not None and (not isinstance(rpc_layer, str) or not rpc_layer):
         raise ValueError(
             '`TF_CONFIG["rpc_layer"]` must be a non-empty string such as '
-            f'"grpc", or absent. Received: TF_CONFIG["rpc_layer"]={_echo(rpc_layer)}'
+            f'"grpc", or absent. Received: TF_CONFIG["rpc_layer"]={_checks.echo(rpc_layer)}'
         )
     cluster, task_type, task_index = tf_config["cluster"], task["type"], task["index"]
     _validate(cluster, task_type, task_index, names=_TF_CONFIG_FIELD_NAMES)
     return ClusterConfig(
         cluster=cluster, task_type=task_type, task_index=task_index, rpc_layer=rpc_layer
     )
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"`{name}` must be an int. Received: {name}={_echo(value)} of type "
-            f"{type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(f"`{name}` must be >= 1. Received: {name}={value}")
-
-
-def port_in_use(port: int) -> str | None:
-    """Why `port` cannot be bound on all interfaces now, or `None` if it can.
-
-    Binds where TensorFlow's gRPC server will listen, whatever TF_CONFIG's
-    host part says (all interfaces: the dual-stack `[::]` where IPv6 exists,
-    and `0.0.0.0`), with `SO_REUSEADDR` as gRPC sets it, so a port left in
-    TIME_WAIT by a previous run counts as free. A process holding the port on
-    any one address (even 127.0.0.1) makes it in use.
-
-    Args:
-        port: a TCP port in [1, 65535].
-
-    Returns:
-        The operating system's reason (e.g. `"Address already in use"`), or
-        `None` when the port is free.
-    """
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:  # no IPv6 on this machine
-            continue
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as e:
-                if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-                    continue  # IPv6 present but disabled: nothing to bind there
-                return e.strerror or str(e)
-    return None
-
-
-def free_ports(n: int, *, host: str = "127.0.0.1") -> list[int]:
-    """Returns `n` distinct TCP ports that are free on `host` right now.
-
-    All `n` sockets are bound at once (so the ports are distinct), then closed.
-    Another process may take a port between this call and its use; callers
-    that cannot tolerate that should retry on a bind error.
-
-    Args:
-        n: how many ports. Must be >= 1.
-        host: the address to bind. Defaults to `"127.0.0.1"`.
-
-    Returns:
-        A list of `n` distinct port numbers.
-
-    Raises:
-        TypeError: if `n` is not an int.
-        ValueError: if `n` < 1.
-        OSError: if `host` cannot be bound.
-    """
-    _check_positive_int(n, "n")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sockets = []
-    try:
-        for _ in range(n):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((host.strip("[]"), 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def local_tf_config(
-    num_workers: int,
-    worker_index: int,
-    *,
-    ports: Sequence[int] | None = None,
-    host: str = "127.0.0.1",
-) -> dict[str, Any]:
-    """Returns the TF_CONFIG dictionary for one of `num_workers` local workers.
-
-    Every worker is a `"worker"` task (worker 0 is the chief, TensorFlow's
-    rule) listening on `host`. Serialise it with `json.dumps` and pass it as
-    the worker's `TF_CONFIG` environment variable; all workers of a job must
-    get the same `ports`.
-
-    Args:
-        num_workers: number of worker processes. Must be >= 1.
-        worker_index: this worker's index, in `[0, num_workers)`.
-        ports: one port per worker, all distinct, in [1, 65535]. If `None`,
-            picks free ports with `free_ports` (only useful when the caller
-            passes the result to every worker). Defaults to `None`.
-        host: the address every worker listens on. Defaults to `"127.0.0.1"`.
-
-    Returns:
-        `{"cluster": {"worker": ["host:port", ...]},
-          "task": {"type": "worker", "index": worker_index}}`.
-
-    Raises:
-        TypeError: if `num_workers`, `worker_index` or a port is not an int.
-        ValueError: if `num_workers` < 1, `worker_index` is out of range,
-            `ports` has the wrong length, repeats a port or has a port outside
-            [1, 65535], or `host` is malformed.
-    """
-    _check_positive_int(num_workers, "num_workers")
-    if isinstance(worker_index, bool) or not isinstance(worker_index, int):
-        raise TypeError(
-            f"`worker_index` must be an int. Received: worker_index={_echo(worker_index)}"
-        )
-    if not 0 <= worker_index < num_workers:
-        raise ValueError(
-            f"`worker_index` must be in [0, {num_workers - 1}] for "
-            f"num_workers={num_workers}. Received: worker_index={worker_index}"
-        )
-    if ports is None:
-        ports = free_ports(num_workers, host=host)
-    ports = list(ports)
-    if len(ports) != num_workers:
-        raise ValueError(
-            f"`ports` must have one port per worker ({num_workers}). "
-            f"Received: ports={_echo(ports)} ({len(ports)} ports)"
-        )
-    for port in ports:
-        if isinstance(port, bool) or not isinstance(port, int):
-            raise TypeError(f"`ports` must contain ints. Received: ports={_echo(ports)}")
-        if not 1 <= port <= 65535:
-            raise ValueError(
-                f"`ports` must be in [1, 65535]. Received: ports={_echo(ports)}"
-            )
-    if len(set(ports)) != len(ports):
-        raise ValueError(
-            f"`ports` must be distinct: two workers cannot share a port. "
-            f"Received: ports={_echo(ports)}"
-        )
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    addresses = [f"{host}:{port}" for port in ports]
-    for i, address in enumerate(addresses):
-        _check_address(address, where=f"host:ports[{i}]")
-    return {
-        "cluster": {"worker": addresses},
-        "task": {"type": "worker", "index": worker_index},
-    }
-
-
-# Slurm sets the task count of the current job step in SLURM_STEP_NUM_TASKS
-# (srun); SLURM_NTASKS / SLURM_NPROCS hold the job's --ntasks in the batch
-# script. The cluster of a job step (node lists, ranks, ports) is
-# `tfdp.distribute.slurm_env.cluster_config`'s job.
-_SLURM_TASK_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
-
-
-def slurm_num_tasks(environ: Mapping[str, str] | None = None) -> int | None:
-    """Returns the number of tasks of the current Slurm job step, or `None`.
-
-    Reads `SLURM_STEP_NUM_TASKS` (set by `srun` in a job step), falling back to
-    `SLURM_NTASKS` and then `SLURM_NPROCS` (set for the whole job). This is
-    the allocation's task count; how many workers actually run, and where,
-    is `tfdp.distribute.slurm_env.cluster_config` (only a job step runs several workers).
-
-    Args:
-        environ: the environment to read. Defaults to `os.environ`.
-
-    Returns:
-        The task count (>= 1), or `None` outside Slurm.
-
-    Raises:
-        ValueError: if the variable is set but is not a positive integer.
-    """
-    environ = os.environ if environ is None else environ
-    for name in _SLURM_TASK_VARS:
-        value = environ.get(name)
-        if value is None or not value.strip():
-            continue
-        value = value.strip()
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(
-                f"{name} must be a positive integer (Slurm's task count). "
-                f"Received: {name}={_echo(value)}. Unset it or fix the job "
-                "script."
-            )
-        return int(value)
-    return None

@@ -44,8 +44,9 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
+from tfdp import _checks
 from tfdp.distribute.cluster import ClusterConfig
 
 #: Variable overriding the first port of every node's tasks.
@@ -59,11 +60,6 @@ _DERIVED_PORT_STRIDE = 10
 _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _TASKS_PART = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
-
-
-def _echo(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 300 else text[:300] + "...<truncated>"
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -90,13 +86,13 @@ def _expand_range_list(body: str, *, hostlist: str) -> list[str]:
         if match is None:
             raise ValueError(
                 f"Slurm hostlist ranges must be numbers or 'lo-hi' ranges, e.g. "
-                f"node[01-03,7]. Received {_echo(item)} in hostlist={_echo(hostlist)}"
+                f"node[01-03,7]. Received {_checks.echo(item)} in hostlist={_checks.echo(hostlist)}"
             )
         low, high = match.group(1), match.group(2) or match.group(1)
         if int(high) < int(low):
             raise ValueError(
                 f"Slurm hostlist range {low}-{high} goes backwards. "
-                f"Received: hostlist={_echo(hostlist)}"
+                f"Received: hostlist={_checks.echo(hostlist)}"
             )
         width = len(low)  # "01-03" keeps its zero padding
         values.extend(str(i).zfill(width) for i in range(int(low), int(high) + 1))
@@ -123,7 +119,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
             empty entry, a range that is not numeric or goes backwards).
     """
     if not isinstance(hostlist, str):
-        raise TypeError(f"`hostlist` must be a string. Received: hostlist={_echo(hostlist)}")
+        raise TypeError(f"`hostlist` must be a string. Received: hostlist={_checks.echo(hostlist)}")
     if not hostlist.strip():
         raise ValueError(f"`hostlist` must name at least one node. Received: hostlist={hostlist!r}")
     hosts: list[str] = []
@@ -132,13 +128,13 @@ def expand_hostlist(hostlist: str) -> list[str]:
         if not entry:
             raise ValueError(
                 f"Slurm hostlist has an empty entry (two commas in a row, or a "
-                f"leading/trailing comma). Received: hostlist={_echo(hostlist)}"
+                f"leading/trailing comma). Received: hostlist={_checks.echo(hostlist)}"
             )
         literals = _BRACKETS.split(entry)  # literal, range, literal, range, ..., literal
         if any(c in part for part in literals[::2] for c in "[]"):
             raise ValueError(
-                f"Slurm hostlist has unbalanced or nested brackets in {_echo(entry)}. "
-                f"Received: hostlist={_echo(hostlist)}"
+                f"Slurm hostlist has unbalanced or nested brackets in {_checks.echo(entry)}. "
+                f"Received: hostlist={_checks.echo(hostlist)}"
             )
         choices = [[literal] if i % 2 == 0 else _expand_range_list(literal, hostlist=hostlist)
                    for i, literal in enumerate(literals)]
@@ -166,7 +162,7 @@ def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
             raise ValueError(
                 "Slurm tasks-per-node must be comma-separated positive counts, each "
                 f"optionally repeated as N(xR), e.g. '2(x3),1'. Received part "
-                f"{_echo(part)} in tasks_per_node={_echo(tasks_per_node)}"
+                f"{_checks.echo(part)} in tasks_per_node={_checks.echo(tasks_per_node)}"
             )
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
@@ -183,7 +179,7 @@ def _read_int(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
     value = value.strip()
     if not value.isdigit() or int(value) < minimum:
         raise ValueError(
-            f"{name} must be an integer >= {minimum}. Received: {name}={_echo(value)}"
+            f"{name} must be an integer >= {minimum}. Received: {name}={_checks.echo(value)}"
         )
     return int(value)
 
@@ -228,7 +224,7 @@ def port_base(environ: Mapping[str, str] | None = None, *, tasks_per_node: int =
         if not explicit.isdigit():
             raise ValueError(
                 f"{PORT_BASE_VAR} must be a port number. Received: "
-                f"{PORT_BASE_VAR}={_echo(explicit)}"
+                f"{PORT_BASE_VAR}={_checks.echo(explicit)}"
             )
         base, source = int(explicit), PORT_BASE_VAR
     elif reserved:
@@ -236,7 +232,7 @@ def port_base(environ: Mapping[str, str] | None = None, *, tasks_per_node: int =
         if match is None:
             raise ValueError(
                 "SLURM_STEP_RESV_PORTS must look like '12000-12015'. "
-                f"Received: SLURM_STEP_RESV_PORTS={_echo(reserved)}"
+                f"Received: SLURM_STEP_RESV_PORTS={_checks.echo(reserved)}"
             )
         base = int(match.group(1))
         count = int(match.group(2) or base) - base + 1
@@ -343,3 +339,43 @@ def _check_block_distribution(environ: Mapping[str, str], rank: int, node: str,
             f"SLURM_PROCID={rank} should run on node {node!r} (block distribution over "
             f"SLURM_STEP_NODELIST), but SLURMD_NODENAME={node_name!r}. {fix}"
         )
+
+
+# Slurm sets the task count of the current job step in SLURM_STEP_NUM_TASKS
+# (srun); SLURM_NTASKS / SLURM_NPROCS hold the job's --ntasks in the batch
+# script. The cluster of a job step (node lists, ranks, ports) is
+# `cluster_config`'s job.
+_SLURM_TASK_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+
+
+def slurm_num_tasks(environ: Mapping[str, str] | None = None) -> int | None:
+    """Returns the number of tasks of the current Slurm job step, or `None`.
+
+    Reads `SLURM_STEP_NUM_TASKS` (set by `srun` in a job step), falling back to
+    `SLURM_NTASKS` and then `SLURM_NPROCS` (set for the whole job). This is
+    the allocation's task count; how many workers actually run, and where,
+    is `cluster_config` (only a job step runs several workers).
+
+    Args:
+        environ: the environment to read. Defaults to `os.environ`.
+
+    Returns:
+        The task count (>= 1), or `None` outside Slurm.
+
+    Raises:
+        ValueError: if the variable is set but is not a positive integer.
+    """
+    environ = os.environ if environ is None else environ
+    for name in _SLURM_TASK_VARS:
+        value = environ.get(name)
+        if value is None or not value.strip():
+            continue
+        value = value.strip()
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"{name} must be a positive integer (Slurm's task count). "
+                f"Received: {name}={_checks.echo(value)}. Unset it or fix the job "
+                "script."
+            )
+        return int(value)
+    return None

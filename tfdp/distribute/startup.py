@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 import tensorflow as tf
 
 from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import local_cluster
 from tfdp.distribute import failure_text
 
 #: Seconds every worker waits for all the others to start, by default.
@@ -110,7 +111,7 @@ def check_own_port(config: cluster_lib.ClusterConfig | None) -> None:
     TensorFlow's gRPC server listens on the port of this task's TF_CONFIG
     address on all interfaces (see `tfdp.launch.nodes`), and fails with a bare
     `UnknownError: Could not start gRPC server` when it cannot. This checks
-    the same bind first (`tfdp.distribute.cluster.port_in_use`). Another process can
+    the same bind first (`tfdp.distribute.local_cluster.port_in_use`). Another process can
     still take the port between this check and TensorFlow's bind;
     `explain_startup_failure` translates that error too.
 
@@ -124,7 +125,7 @@ def check_own_port(config: cluster_lib.ClusterConfig | None) -> None:
     if config is None or config.task_type not in cluster_lib.TRAINING_TASK_TYPES:
         return
     port = own_port(config)
-    reason = cluster_lib.port_in_use(port)
+    reason = local_cluster.port_in_use(port)
     if reason is not None:
         raise StartupError(_port_message(config, port, f"it is in use ({reason})"))
 

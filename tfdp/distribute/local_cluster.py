@@ -1,0 +1,155 @@
+"""A cluster on this host: free ports, and TF_CONFIG for N local workers.
+
+This module owns what `tfdp-launch` needs to start N workers on one machine:
+whether a port can be bound (`port_in_use`), a set of free ports
+(`free_ports`) and each worker's TF_CONFIG (`local_tf_config`). Parsing and
+validating TF_CONFIG is `tfdp.distribute.cluster`'s. It does not import
+TensorFlow.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any, Sequence
+
+from tfdp import _checks
+from tfdp.distribute import cluster as cluster_lib
+
+
+def port_in_use(port: int) -> str | None:
+    """Why `port` cannot be bound on all interfaces now, or `None` if it can.
+
+    Binds where TensorFlow's gRPC server will listen, whatever TF_CONFIG's
+    host part says (all interfaces: the dual-stack `[::]` where IPv6 exists,
+    and `0.0.0.0`), with `SO_REUSEADDR` as gRPC sets it, so a port left in
+    TIME_WAIT by a previous run counts as free. A process holding the port on
+    any one address (even 127.0.0.1) makes it in use.
+
+    Args:
+        port: a TCP port in [1, 65535].
+
+    Returns:
+        The operating system's reason (e.g. `"Address already in use"`), or
+        `None` when the port is free.
+    """
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this machine
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue  # IPv6 present but disabled: nothing to bind there
+                return e.strerror or str(e)
+    return None
+
+
+def free_ports(n: int, *, host: str = "127.0.0.1") -> list[int]:
+    """Returns `n` distinct TCP ports that are free on `host` right now.
+
+    All `n` sockets are bound at once (so the ports are distinct), then closed.
+    Another process may take a port between this call and its use; callers
+    that cannot tolerate that should retry on a bind error.
+
+    Args:
+        n: how many ports. Must be >= 1.
+        host: the address to bind. Defaults to `"127.0.0.1"`.
+
+    Returns:
+        A list of `n` distinct port numbers.
+
+    Raises:
+        TypeError: if `n` is not an int.
+        ValueError: if `n` < 1.
+        OSError: if `host` cannot be bound.
+    """
+    _checks.check_int("n", n)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host.strip("[]"), 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def local_tf_config(
+    num_workers: int,
+    worker_index: int,
+    *,
+    ports: Sequence[int] | None = None,
+    host: str = "127.0.0.1",
+) -> dict[str, Any]:
+    """Returns the TF_CONFIG dictionary for one of `num_workers` local workers.
+
+    Every worker is a `"worker"` task (worker 0 is the chief, TensorFlow's
+    rule) listening on `host`. Serialise it with `json.dumps` and pass it as
+    the worker's `TF_CONFIG` environment variable; all workers of a job must
+    get the same `ports`.
+
+    Args:
+        num_workers: number of worker processes. Must be >= 1.
+        worker_index: this worker's index, in `[0, num_workers)`.
+        ports: one port per worker, all distinct, in [1, 65535]. If `None`,
+            picks free ports with `free_ports` (only useful when the caller
+            passes the result to every worker). Defaults to `None`.
+        host: the address every worker listens on. Defaults to `"127.0.0.1"`.
+
+    Returns:
+        `{"cluster": {"worker": ["host:port", ...]},
+          "task": {"type": "worker", "index": worker_index}}`.
+
+    Raises:
+        TypeError: if `num_workers`, `worker_index` or a port is not an int.
+        ValueError: if `num_workers` < 1, `worker_index` is out of range,
+            `ports` has the wrong length, repeats a port or has a port outside
+            [1, 65535], or `host` is malformed.
+    """
+    _checks.check_int("num_workers", num_workers)
+    if isinstance(worker_index, bool) or not isinstance(worker_index, int):
+        raise TypeError(
+            f"`worker_index` must be an int. Received: worker_index={_checks.echo(worker_index)}"
+        )
+    if not 0 <= worker_index < num_workers:
+        raise ValueError(
+            f"`worker_index` must be in [0, {num_workers - 1}] for "
+            f"num_workers={num_workers}. Received: worker_index={worker_index}"
+        )
+    if ports is None:
+        ports = free_ports(num_workers, host=host)
+    ports = list(ports)
+    if len(ports) != num_workers:
+        raise ValueError(
+            f"`ports` must have one port per worker ({num_workers}). "
+            f"Received: ports={_checks.echo(ports)} ({len(ports)} ports)"
+        )
+    for port in ports:
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"`ports` must contain ints. Received: ports={_checks.echo(ports)}")
+        if not 1 <= port <= 65535:
+            raise ValueError(
+                f"`ports` must be in [1, 65535]. Received: ports={_checks.echo(ports)}"
+            )
+    if len(set(ports)) != len(ports):
+        raise ValueError(
+            f"`ports` must be distinct: two workers cannot share a port. "
+            f"Received: ports={_checks.echo(ports)}"
+        )
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    addresses = [f"{host}:{port}" for port in ports]
+    for i, address in enumerate(addresses):
+        cluster_lib.check_address(address, where=f"host:ports[{i}]")
+    return {
+        "cluster": {"worker": addresses},
+        "task": {"type": "worker", "index": worker_index},
+    }
