@@ -42,7 +42,7 @@ SCALE_LR_BAD_INPUT = [
     (("0.1", 256, 512), {}, TypeError, r"`base_lr`.*Received: base_lr='0.1'"),
     ((0.1, 0, 512), {}, ValueError, r"`base_batch` must be a positive integer"),
     ((0.1, 256, -4), {}, ValueError, r"Received: global_batch=-4"),
-    ((0.1, 256.0, 512), {}, TypeError, r"`base_batch` must be an integer"),
+    ((0.1, 256.0, 512), {}, TypeError, r"`base_batch` must be a positive integer"),
     ((0.1, 256, True), {}, TypeError, r"`global_batch`"),
     ((0.1, 256, 512), {"rule": "quadratic"}, ValueError,
      r"`rule` must be one of 'linear', 'sqrt', 'none'\. Received: rule='quadratic'"),

@@ -55,6 +55,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp.distribute import reduction
+from tfdp._upstream import keras_optimizer_internals
 from tfdp._upstream import keras_optimizer_reduction
 from tfdp._upstream import loss_scale
 
@@ -158,7 +159,7 @@ class _SkipNonFinite:
                     "Pass `trainable_variables` to the first apply(), or build the "
                     "optimizer first with optimizer.build(trainable_variables)."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = keras_optimizer_internals.built_variables(self)
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -185,7 +186,7 @@ class _SkipNonFinite:
             else:
                 self._apply_finite(grads, variables)
 
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if keras_optimizer_internals.supports_no_merge_call():
             tf.cond(proceed, lambda: apply_step(grads), self._skip)
             return
 
@@ -273,7 +274,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return keras_optimizer_internals.own_variables(self) + self.inner_optimizer.variables
 
     @property
     def learning_rate(self):

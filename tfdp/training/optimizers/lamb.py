@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfdp import _checks
+from tfdp._upstream import keras_optimizer_internals
 from tfdp.training.optimizers._exclusion import LayerwiseExclusionMixin
 
 
@@ -126,7 +127,7 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Lamb):
 
     def update_step(self, gradient, variable, learning_rate):
         """Applies one LAMB step to `variable`; see the class docstring."""
-        index = self._get_variable_index(variable)
+        index = keras_optimizer_internals.variable_index(self, variable)
         dtype = variable.dtype
         if isinstance(gradient, tf.IndexedSlices):
             # The moments and norms need the whole gradient.
@@ -137,8 +138,7 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Lamb):
         beta_1 = ops.cast(self.beta_1, dtype)
         beta_2 = ops.cast(self.beta_2, dtype)
 
-        m = self._momentums[index]
-        v = self._velocities[index]
+        m, v = keras_optimizer_internals.lamb_moments(self, index)
         # 1 - beta in float64 before the cast: 1 - float32(0.9) is off by 2e-7.
         self.assign_add(m, (gradient - m) * ops.cast(1.0 - self.beta_1, dtype))
         self.assign_add(v, (ops.square(gradient) - v) * ops.cast(1.0 - self.beta_2, dtype))

@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfdp import _checks
+from tfdp._upstream import keras_optimizer_internals
 from tfdp.training.optimizers._exclusion import LayerwiseExclusionMixin
 
 
@@ -141,7 +142,7 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
 
     def update_step(self, gradient, variable, learning_rate):
         """Applies one LARS step to `variable`; see the class docstring."""
-        index = self._get_variable_index(variable)
+        index = keras_optimizer_internals.variable_index(self, variable)
         dtype = variable.dtype
         if isinstance(gradient, tf.IndexedSlices):
             # The norms need the whole gradient; duplicate indices are summed.
