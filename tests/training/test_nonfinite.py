@@ -192,16 +192,6 @@ def test_wrap_optimizer_picks_the_wrapper():
         NonFiniteGuard(keras.optimizers.SGD(gradient_accumulation_steps=2))
 
 
-def test_non_finite_variables_names_them():
-    variables = [keras.Variable([1.0, np.inf], name="a"), keras.Variable([0.0], name="b"),
-                 keras.Variable(np.array([np.nan, 1.0], "float32"), name="c"),
-                 keras.Variable(np.array([3], "int64"), name="steps")]
-    assert nonfinite.non_finite_variables(variables) == ["a", "c"]
-    with pytest.raises(NonFiniteError, match=r"step 12: 2 variable\(s\) hold NaN or Inf \(first: 'a'\)"):
-        nonfinite.check_finite_before_save(variables, step=12, owner="me")
-    nonfinite.check_finite_before_save(variables[1:2], step=12, owner="me")
-
-
 # --- the fit path: tfdp.compile + model.fit -------------------------------------------
 
 FEATURES, CLASSES, GLOBAL_BATCH, STEPS = 5, 3, 8, 6

@@ -2,7 +2,8 @@
 
 - `batch`: per-replica × replicas × accumulation = global batch;
 - `accumulation`: micro-batches and `tfdp.compile` for `model.fit`;
-- `nonfinite`: skipping NaN/Inf steps everywhere alike;
+- `nonfinite`: the optimizer wrappers that skip NaN/Inf steps everywhere alike;
+- `step_monitor`: after each training call, skips logged and the limit enforced; no non-finite save;
 - `trainer`: `tfdp.Trainer`, the custom loop that resumes exactly;
 - `checkpointing`: chief-only checkpoint writes;
 - `lr_schedules`: LR scaling with the batch, and warmup;

@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import step_monitor
 from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import keras_train_function
@@ -284,7 +285,7 @@ def compile(  # pylint: disable=redefined-builtin
     keras_train_function.install(model, tfdp_step=accum_steps > 1)
     if nonfinite_lib.guard_of(model.optimizer) is not None:
         # After every execution: log skips, stop at the limit.
-        nonfinite_lib.install_fit_check(
+        step_monitor.install_fit_check(
             model, log=strategy_info_lib.strategy_info(model.distribute_strategy).is_chief
         )
     model.tfdp_accum_steps = accum_steps

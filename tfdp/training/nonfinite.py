@@ -22,13 +22,9 @@ strategy:
   `skipped_steps` and `consecutive_skipped_steps` variables, which are
   optimizer variables and so are checkpointed and restored with it.
 - **stopping**: after `max_consecutive_nonfinite` skips in a row the wrapper
-  applies nothing more (it is "exhausted"), and `StepMonitor.check`, which the
-  training loop calls after each `tf.function` call, raises `NonFiniteError`
-  naming the steps and the usual fixes. Every worker reads the same counters
-  and so raises at the same point.
-- **checkpoints**: `check_finite_before_save` refuses to save non-finite
-  weights (which can still arise from finite gradients that overflow a
-  weight, or with `nonfinite=None`).
+  applies nothing more (it is "exhausted"). Reading the counters after each
+  training call, logging skips and raising `NonFiniteError` at the limit is
+  `tfdp.training.step_monitor`'s, as is refusing to save non-finite weights.
 
 It does not own when steps run or checkpoints are saved (`tfdp.Trainer`,
 `tfdp.compile` with `tfdp.callbacks.BackupAndRestore`).
@@ -48,11 +44,10 @@ replica's share as Keras' own `apply` under a strategy does.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tfdp.distribute import reduction
 from tfdp._upstream import keras_optimizer_internals
@@ -64,13 +59,6 @@ from tfdp._upstream import loss_scale
 MODES = ("skip", "raise")
 #: Default `max_consecutive_nonfinite`.
 DEFAULT_MAX_CONSECUTIVE = 10
-
-_FIXES = (
-    "Lower the learning rate (or warm it up), enable loss scaling for float16 "
-    "(the mixed_float16 policy does it), clip gradients, or look for NaN/Inf in "
-    "the input (e.g. map tf.debugging.check_numerics over the dataset)."
-)
-
 
 class NonFiniteError(FloatingPointError):
     """Training stopped: too many non-finite steps in a row, or non-finite weights."""
@@ -470,138 +458,3 @@ def fold_loss_into_gradients(loss: tf.Tensor, variables: Sequence[tf.Variable]) 
     smallest = min(variables, key=lambda v: math.prod(v.shape))
     flag = tf.where(tf.math.is_finite(loss), tf.zeros_like(loss), tf.fill(tf.shape(loss), math.nan))
     return loss + flag * tf.cast(tf.reduce_sum(smallest), loss.dtype)
-
-
-def non_finite_variables(variables: Iterable) -> list[str]:
-    """Paths (or names) of the floating-point variables holding a NaN or an Inf.
-
-    Reads every variable once (a read of a sync-on-read variable joins a
-    collective under MultiWorkerMirroredStrategy: call it on every worker).
-    """
-    variables = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
-    if not variables:
-        return []
-    finite = tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(v))) for v in variables])
-    return [getattr(v, "path", None) or v.name for v, ok in zip(variables, finite.numpy()) if not ok]
-
-
-def check_finite_before_save(variables: Iterable, *, step: int, owner: str, last_saved=None) -> None:
-    """Raises `NonFiniteError` instead of letting non-finite weights be saved.
-
-    Args:
-        variables: what the checkpoint would hold (model weights, optimizer
-            variables).
-        step: the step the save is for.
-        owner: who saves, for the message (e.g. `"tfdp trainer"`).
-        last_saved: the newest checkpoint already written, for the message.
-
-    Raises:
-        NonFiniteError: some variable is not finite; nothing was written.
-    """
-    bad = non_finite_variables(variables)
-    if not bad:
-        return
-    kept = f"; the newest checkpoint is still {last_saved}" if last_saved else ""
-    raise NonFiniteError(
-        f"{owner}: not saving the checkpoint of step {step}: {len(bad)} variable(s) hold "
-        f"NaN or Inf (first: {bad[0]!r}){kept}. The weights overflowed from finite "
-        f"gradients, or non-finite steps were applied (nonfinite=None). {_FIXES}"
-    )
-
-
-class StepMonitor:
-    """Reads a wrapper's counters after each training call; logs skips, raises at the limit.
-
-    Args:
-        guard: the wrapper (`guard_of(optimizer)`).
-        owner: who trains, for messages (e.g. `"tfdp trainer"`).
-        log: log skipped steps (the chief only). Defaults to True.
-    """
-
-    def __init__(self, guard: _SkipNonFinite, *, owner: str, log: bool = True):
-        self._guard = guard
-        self._owner = owner
-        self._log = log
-        self._last_skipped: int | None = None
-
-    def _read(self) -> tuple[int, int, int]:
-        guard = self._guard
-        if not guard.built:  # fit builds it in its first step
-            return 0, 0, 0
-        return (
-            int(keras.ops.convert_to_numpy(guard.skipped_steps)),
-            int(keras.ops.convert_to_numpy(guard.consecutive_skipped_steps)),
-            int(keras.ops.convert_to_numpy(guard.iterations)),
-        )
-
-    def prime(self) -> None:
-        """Takes the current counts as the baseline for `check`'s log lines."""
-        self._last_skipped = self._read()[0]
-
-    def check(self) -> int:
-        """Logs new skips and stops at the limit; returns the step count.
-
-        Returns:
-            Training steps taken (`iterations` + `skipped_steps`: global
-            batches consumed, skipped ones included).
-
-        Raises:
-            NonFiniteError: `max_consecutive_nonfinite` steps in a row were
-                skipped.
-        """
-        skipped, consecutive, iterations = self._read()
-        step = iterations + skipped
-        if self._last_skipped is None:
-            self._last_skipped = skipped
-        if skipped > self._last_skipped and self._log:
-            logging.warning(
-                "%s: skipped %d step(s) with a non-finite loss or gradient by step %d "
-                "(%d in a row, %d in all); their updates were not applied and "
-                "optimizer.iterations did not advance.",
-                self._owner, skipped - self._last_skipped, step, consecutive, skipped,
-            )
-        self._last_skipped = skipped
-        limit = self._guard.max_consecutive_nonfinite
-        if consecutive >= limit:
-            first = step - consecutive + 1
-            raise NonFiniteError(
-                f"{self._owner}: {consecutive} training steps in a row (steps {first}-{step}, "
-                f"counting global batches from 1) had a non-finite (NaN or Inf) loss or "
-                f"gradient on some replica, reaching max_consecutive_nonfinite={limit}; none "
-                f"of them was applied, and training stopped. The weights are those after "
-                f"step {first - 1} ({skipped} step(s) skipped in all); no checkpoint with "
-                f"non-finite weights was written. {_FIXES}"
-            )
-        return step
-
-
-def install_fit_check(model: keras.Model, *, log: bool) -> None:
-    """Makes `model.fit` stop with `NonFiniteError` at the limit (and log skips).
-
-    Sets `model.train_function` to a function that builds the real one on
-    its first call (through `model.make_train_function(force=True)`: Keras'
-    own, or tfdp's replacement from `tfdp._upstream.keras_train_function`)
-    and, after every execution (`steps_per_execution` steps), reads the
-    optimizer's counters. Keras' `make_train_function` returns an existing
-    `train_function` as it is, and `compile` resets it. Call it right after
-    `model.compile`, with `model.optimizer` a wrapper from this module.
-
-    Args:
-        model: the compiled model.
-        log: log skipped steps (the chief only).
-    """
-    monitor = StepMonitor(guard_of(model.optimizer), owner="tfdp fit", log=log)
-    built = None
-
-    def checked(iterator):
-        nonlocal built
-        if built is None:
-            model.make_train_function(force=True)
-            built = model.train_function
-            model.train_function = checked
-            monitor.prime()  # after fit's on_train_begin, so after any restore
-        logs = built(iterator)
-        monitor.check()
-        return logs
-
-    model.train_function = checked

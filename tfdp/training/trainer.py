@@ -34,6 +34,7 @@ from absl import logging
 from tfdp.training import accumulation
 from tfdp.training import checkpointing
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
@@ -266,7 +267,7 @@ class Trainer:
             self._eval_metrics = [self._metric(m, copy=True) for m in metrics or ()]
         self.optimizer = optimizer
         self._guard = nonfinite_lib.guard_of(optimizer)
-        self._monitor = self._guard and nonfinite_lib.StepMonitor(
+        self._monitor = self._guard and step_monitor.StepMonitor(
             self._guard, owner="tfdp trainer", log=self.info.is_chief
         )
         self.save_on_sigterm = bool(save_on_sigterm)
@@ -632,7 +633,7 @@ class Trainer:
         if self._checkpoints is None or step == self._last_saved_step:
             return  # no model_dir (checkpoint_every alone saves nothing), or saved
         # Every worker holds the same weights, so all refuse alike.
-        nonfinite_lib.check_finite_before_save(
+        step_monitor.check_finite_before_save(
             [*self.model.weights, *self.optimizer.variables], step=step,
             owner="tfdp trainer", last_saved=self._checkpoints.latest_checkpoint,
         )

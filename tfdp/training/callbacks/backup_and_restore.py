@@ -34,7 +34,7 @@ from absl import logging
 
 from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
-from tfdp.training import nonfinite
+from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import keras_fit_resume
@@ -439,7 +439,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "steps_per_epoch": self._steps_per_epoch or -1,
         }
         # Every worker holds the same weights, so all refuse alike.
-        nonfinite.check_finite_before_save(
+        step_monitor.check_finite_before_save(
             [*self.model.weights, *self.model.optimizer.variables], step=self._step,
             owner="tfdp BackupAndRestore", last_saved=self._manager.latest_checkpoint,
         )
