@@ -21,7 +21,6 @@ from typing import Any, Callable, Protocol
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tfdp.training import accumulation
 from tfdp.training import checkpointing
@@ -361,7 +360,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
               f"{config.checkpoint_every}.")
     accumulation.compile(
         model, optimizer=optimizer, loss=loss, metrics=["accuracy"],
-        accum_steps=config.accum_steps, steps_per_execution=steps_per_execution,
+        accum_steps=batch.accum_steps, steps_per_execution=steps_per_execution,
         jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
     )
     total_steps = config.epochs * steps_per_epoch

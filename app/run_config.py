@@ -12,10 +12,9 @@ import dataclasses
 
 from tfdp.distribute import reduction
 from tfdp.distribute import strategy as strategy_lib
+from tfdp.training import lr_schedules
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lars", "lamb")
-LR_SCALINGS = ("linear", "sqrt", "none")
-DECAYS = ("constant", "cosine", "step", "poly")
 LOOPS = ("fit", "custom")
 MIXED_PRECISIONS = ("none", "mixed_float16", "mixed_bfloat16")
 #: The global batch when neither --global_batch nor --per_replica_batch is given.
@@ -110,8 +109,8 @@ class RunConfig:
         _choice("cross_device_ops", self.cross_device_ops, strategy_lib.CROSS_DEVICE_OPS)
         _choice("communication", self.communication, strategy_lib.COMMUNICATIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
-        _choice("decay", self.decay, DECAYS)
+        _choice("lr_scaling", self.lr_scaling, lr_schedules.SCALING_RULES)
+        _choice("decay", self.decay, lr_schedules.DECAYS)
         _choice("loop", self.loop, LOOPS)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.all_reduce_dtype is not None:

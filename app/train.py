@@ -4,10 +4,10 @@
     tfdp-launch --nproc_per_node 2 -- tfdp-train --dataset=digits --model=cnn \\
         --global_batch=64 --model_dir=runs/digits
 
-This is the entry point that wires `pipelines` (data) and `models` into
-`tfdp.app.experiment.train_and_evaluate`, the one place where `tfdp` imports them
-(`tests/test_layout.py` allows exactly this module). It reads and validates
-flags, then calls the library: invalid or contradictory flags exit with
+This is the entry point that wires `tfdp.pipelines` (data) and `tfdp.models`
+into `tfdp.app.experiment.train_and_evaluate`, which takes them as arguments
+(the library below never imports them; `tests/test_layout.py`). It reads and
+validates flags into one `RunConfig`, then calls it: invalid or contradictory flags exit with
 status 2 and one line naming the flag, before any training or collective.
 """
 
@@ -32,6 +32,7 @@ from tfdp.distribute import config_check  # noqa: E402
 from tfdp.distribute import peer_failures  # noqa: E402
 from tfdp.distribute import startup  # noqa: E402
 from tfdp.distribute import strategy as strategy_lib  # noqa: E402
+from tfdp.training import lr_schedules  # noqa: E402
 
 _D = run_config.RunConfig()  # defaults, one source of truth
 
@@ -73,11 +74,11 @@ flags.DEFINE_enum("optimizer", _D.optimizer, run_config.OPTIMIZERS, "Optimizer "
 flags.DEFINE_float("base_lr", _D.base_lr, "Learning rate at --base_batch.")
 flags.DEFINE_integer("base_batch", None, "Batch --base_lr was tuned for (default: the "
                      "global batch, no scaling).")
-flags.DEFINE_enum("lr_scaling", _D.lr_scaling, run_config.LR_SCALINGS,
+flags.DEFINE_enum("lr_scaling", _D.lr_scaling, lr_schedules.SCALING_RULES,
                   "How the learning rate scales from --base_batch to the global batch.")
 flags.DEFINE_float("warmup_epochs", None, "Linear warmup, in epochs.")
 flags.DEFINE_integer("warmup_steps", None, "Linear warmup, in optimizer steps.")
-flags.DEFINE_enum("decay", _D.decay, run_config.DECAYS, "Learning-rate decay after warmup.")
+flags.DEFINE_enum("decay", _D.decay, lr_schedules.DECAYS, "Learning-rate decay after warmup.")
 flags.DEFINE_float("weight_decay", _D.weight_decay, "Weight decay.")
 # How.
 flags.DEFINE_enum("loop", _D.loop, run_config.LOOPS, "fit: Keras model.fit via tfdp.compile; "
@@ -118,8 +119,8 @@ def _build_dataset(config: run_config.RunConfig):
         if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
             preprocess = pipelines.for_images(training=training)
         dataset = pipelines.make_dataset(
-            config.dataset, split=split, strategy=strategy, global_batch=batch.global_batch,
-            accum_steps=batch.accum_steps, training=training, seed=seed,
+            config.dataset, split=split, strategy=strategy, batch=batch,
+            training=training, seed=seed,
             data_dir=config.data_dir, preprocess=preprocess,
         )
         info = dataset.pipeline_info

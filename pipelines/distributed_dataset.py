@@ -80,13 +80,47 @@ def _check_bool(name: str, value) -> None:
         raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
 
 
+def _batch_config(batch, global_batch, accum_steps, num_replicas: int) -> tfdp.BatchConfig:
+    """The run's `BatchConfig`: `batch` as given, or built from `global_batch`."""
+    if batch is None:
+        if global_batch is None:
+            raise ValueError(
+                "Pass the batch: `batch=tfdp.BatchConfig(...)` (the object the training code "
+                "gets too), or `global_batch=N`. Received neither."
+            )
+        return tfdp.BatchConfig.from_global(
+            global_batch, num_replicas=num_replicas,
+            accum_steps=1 if accum_steps is None else accum_steps)
+    if not isinstance(batch, tfdp.BatchConfig):
+        raise TypeError(
+            f"`batch` must be a tfdp.BatchConfig (for a number, pass `global_batch`). "
+            f"Received: batch={batch!r} of type {type(batch).__name__}"
+        )
+    if global_batch is not None or accum_steps is not None:
+        raise ValueError(
+            f"Pass `batch` alone: it already holds the global batch and accumulation "
+            f"({batch.describe()}). Received also: global_batch={global_batch!r}, "
+            f"accum_steps={accum_steps!r}"
+        )
+    if batch.num_replicas != num_replicas:
+        raise ValueError(
+            f"`batch` is for {batch.num_replicas} replica(s), but the strategy has "
+            f"{num_replicas} replica(s) in sync. Build it for this strategy, e.g. "
+            f"tfdp.BatchConfig.from_global({batch.global_batch}, "
+            f"num_replicas=strategy.num_replicas_in_sync, accum_steps={batch.accum_steps}). "
+            f"Received: batch={batch}"
+        )
+    return batch
+
+
 def make_dataset(
     source,
     *,
     split: str = "train",
     strategy: tf.distribute.Strategy,
-    global_batch: int,
-    accum_steps: int = 1,
+    batch: tfdp.BatchConfig | None = None,
+    global_batch: int | None = None,
+    accum_steps: int | None = None,
     training: bool = True,
     shuffle: bool = True,
     seed: int | None = None,
@@ -112,10 +146,17 @@ def make_dataset(
             Defaults to `"train"`.
         strategy: the `tf.distribute.Strategy` the dataset is for
             (`tf.distribute.get_strategy()` for none).
-        global_batch: examples per step, all replicas together; a multiple of
-            `num_replicas_in_sync * accum_steps`.
-        accum_steps: micro-batches per replica per optimizer step (gradient
-            accumulation is done by the training code). Defaults to 1.
+        batch: the batch arithmetic, a `tfdp.BatchConfig` whose
+            `num_replicas` is the strategy's `num_replicas_in_sync`: the same
+            object the training code (`tfdp.Trainer(batch=...)`, the learning
+            rate scaling) gets, kept as `pipeline_info.batch`. Give either
+            `batch` or `global_batch`.
+        global_batch: the convenience form: examples per step, all replicas
+            together, a multiple of `num_replicas_in_sync * accum_steps`;
+            `make_dataset` builds the `BatchConfig` from it.
+        accum_steps: with `global_batch`: micro-batches per replica per
+            optimizer step (gradient accumulation is done by the training
+            code). Defaults to 1. With `batch`, it is `batch.accum_steps`.
         training: training (shuffled, remainder dropped by default) or
             evaluation (in order, never dropped). Defaults to True.
         shuffle: shuffle examples (and files) every epoch; only when
@@ -146,9 +187,10 @@ def make_dataset(
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: unknown source name, missing `data_dir`, dataset not
-            prepared, `global_batch` not divisible by replicas x
-            `accum_steps`, a training split smaller than one global batch,
+        ValueError: neither or both of `batch` and `global_batch`, a `batch`
+            for another replica count, unknown source name, missing
+            `data_dir`, dataset not prepared, `global_batch` not divisible by
+            replicas x `accum_steps`, a training split smaller than one global batch,
             examples that are not `(features, label)` tuples of statically
             shaped tensors, an invalid `shard_policy`, or `drop_remainder=True`
             with `training=False`.
@@ -199,16 +241,13 @@ def make_dataset(
             "`preprocess` must be a callable (features, label) -> (features, "
             f"label) or None. Received: preprocess={preprocess!r}"
         )
-    tfdp.BatchConfig.from_global(
-        global_batch, num_replicas=strategy.num_replicas_in_sync, accum_steps=accum_steps
-    )
+    batch = _batch_config(batch, global_batch, accum_steps, strategy.num_replicas_in_sync)
     resolved = sources_lib.get_source(source, split=split, data_dir=data_dir)
     resolved.check_split(split)
     pipeline = pipeline_lib.InputPipeline(
         source=resolved,
         split=split,
-        global_batch=global_batch,
-        accum_steps=accum_steps,
+        batch=batch,
         training=training,
         shuffle=shuffle,
         seed=seed,

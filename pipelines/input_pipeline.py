@@ -179,7 +179,8 @@ class InputPipeline:
     All pipelines (in this process and in every other worker) make the same
     plan from the same metadata, so they agree on `steps_per_epoch` without
     communicating. Arguments are as for `make_dataset`, with `source` a
-    `pipelines.Source` and `drop_remainder` resolved to a bool.
+    `pipelines.Source`, `batch` the run's `tfdp.BatchConfig` (kept as
+    `PipelineInfo.batch`, not rebuilt) and `drop_remainder` resolved to a bool.
     """
 
     def __init__(
@@ -187,8 +188,7 @@ class InputPipeline:
         *,
         source: source_lib.Source,
         split: str,
-        global_batch: int,
-        accum_steps: int,
+        batch: tfdp.BatchConfig,
         training: bool,
         shuffle: bool,
         seed: int | None,
@@ -199,8 +199,7 @@ class InputPipeline:
     ):
         self.source = source
         self.split = split
-        self.global_batch = global_batch
-        self.accum_steps = accum_steps
+        self.batch = batch
         self.training = training
         self.shuffle = shuffle and training
         self.seed = seed
@@ -229,11 +228,15 @@ class InputPipeline:
         key = (num_pipelines, num_replicas)
         if key in self._plans:
             return self._plans[key]
-        batch = tfdp.BatchConfig.from_global(
-            self.global_batch, num_replicas=num_replicas, accum_steps=self.accum_steps
-        )
+        batch = self.batch
+        if num_replicas != batch.num_replicas:
+            raise ValueError(
+                f"The input context has {num_replicas} replica(s) in sync, but the batch "
+                f"is for {batch.num_replicas} ({batch.describe()}). Build the "
+                f"BatchConfig for the strategy the dataset is distributed by."
+            )
         per_replica = batch.replica_batch
-        examples_per_step = self.global_batch // num_pipelines
+        examples_per_step = batch.global_batch // num_pipelines
         element_spec = self._element_spec()
         total = self.source.num_examples(self.split)
         if total == 0:
@@ -264,7 +267,7 @@ class InputPipeline:
         if steps == 0:
             raise ValueError(
                 f"Source {self.source.name!r} split {self.split!r} has {total} "
-                f"examples, fewer than one global batch of {self.global_batch}"
+                f"examples, fewer than one global batch of {batch.global_batch}"
                 + (
                     f" (each of {num_pipelines} input pipelines needs "
                     f"{examples_per_step} but they get {list(plan.sizes)})"
@@ -352,7 +355,7 @@ class InputPipeline:
                     info.source, info.split, info.dropped_per_epoch, info.num_examples,
                     info.global_batch, info.num_input_pipelines,
                 )
-        per_replica = input_context.get_per_replica_batch_size(self.global_batch)
+        per_replica = self.batch.replica_batch  # plan() checked the replica count
         replicas_fed = num_replicas // num_pipelines
         examples_per_step = per_replica * replicas_fed
         size = plan.sizes[index]

@@ -46,6 +46,47 @@ def test_run_writes_a_summary_the_chief_owns(tmp_path, digits_dir, loop):
     assert on_disk["config"]["loop"] == loop
 
 
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_one_batch_config_flows_from_the_flags_to_the_data_and_the_training(
+        monkeypatch, digits_dir, loop):
+    # The BatchConfig the run logs is the very object make_dataset and the
+    # training path receive: nothing takes it apart and builds it again.
+    from tfdp import pipelines
+
+    seen = {"datasets": [], "training": []}
+    make_dataset = pipelines.make_dataset
+
+    def recording_make_dataset(*args, batch, **kwargs):
+        seen["datasets"].append(batch)
+        return make_dataset(*args, batch=batch, **kwargs)
+
+    class RecordingTrainer(experiment.Trainer):
+        def __init__(self, *args, batch, **kwargs):
+            seen["training"].append(batch)
+            super().__init__(*args, batch=batch, **kwargs)
+
+    compile_ = experiment.accumulation.compile
+
+    def recording_compile(model, *, accum_steps, **kwargs):
+        seen["training"].append(accum_steps)
+        return compile_(model, accum_steps=accum_steps, **kwargs)
+
+    monkeypatch.setattr(pipelines, "make_dataset", recording_make_dataset)
+    monkeypatch.setattr(experiment, "Trainer", RecordingTrainer)
+    monkeypatch.setattr(experiment.accumulation, "compile", recording_compile)
+    config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, epochs=1,
+                       steps_per_epoch=2, cpu_replicas=2, global_batch=32, accum_steps=2,
+                       loop=loop, steps_per_loop=1)
+    summary = experiment.train_and_evaluate(
+        config, build_dataset=train_cli._build_dataset(config), build_model=_small_model)
+    batch = seen["datasets"][0]
+    assert len(seen["datasets"]) >= 2  # training and evaluation
+    assert all(b is batch for b in seen["datasets"])
+    assert (batch.per_replica, batch.num_replicas, batch.accum_steps) == (8, 2, 2)
+    assert summary["batch"] == {"per_replica": 8, "replicas": 2, "accum_steps": 2, "global": 32}
+    assert seen["training"] == ([batch] if loop == "custom" else [batch.accum_steps])
+
+
 def test_steps_per_epoch_beyond_the_data_is_refused(digits_dir):
     config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
                        steps_per_epoch=1000, eval=False)

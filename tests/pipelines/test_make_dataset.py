@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfdp
 from tfdp import pipelines
 from pipeline_testing import collect, get_strategy, id_dataset, real_ids
 from tfdp.pipelines import input_pipeline as pipeline_lib
@@ -69,7 +70,8 @@ def test_uneven_split_gives_every_pipeline_the_same_step_count(
     num_examples, global_batch = 47, 12  # 47 splits unevenly 2 and 3 ways.
     pipeline = pipeline_lib.InputPipeline(
         source=pipelines.get_source(id_dataset(num_examples)), split="train",
-        global_batch=global_batch, accum_steps=1, training=training, shuffle=True,
+        batch=tfdp.BatchConfig.from_global(global_batch, num_replicas), training=training,
+        shuffle=True,
         seed=0, shard_policy="auto", drop_remainder=training, cache=False,
         preprocess=None,
     )
@@ -101,7 +103,7 @@ def test_uneven_split_gives_every_pipeline_the_same_step_count(
 def test_digits_file_sharding_reads_every_example_once(digits_dir):
     source = pipelines.get_source("digits", data_dir=digits_dir)
     pipeline = pipeline_lib.InputPipeline(
-        source=source, split="test", global_batch=40, accum_steps=1, training=False,
+        source=source, split="test", batch=tfdp.BatchConfig.from_global(40, 2), training=False,
         shuffle=False, seed=None, shard_policy="auto", drop_remainder=False,
         cache=False, preprocess=None,
     )
@@ -173,6 +175,53 @@ def test_accum_steps_info():
     info = dataset.pipeline_info
     assert (info.per_replica_batch, info.micro_batch, info.accum_steps) == (12, 4, 3)
     assert "3 micro-batches of 4" in info.describe()
+
+
+def test_a_batch_config_gives_the_same_batches_and_is_kept_as_is():
+    # One BatchConfig from the flags to the training code: make_dataset keeps
+    # the object it is given, and batches exactly as the global_batch form.
+    strategy = get_strategy("mirrored2")
+    batch = tfdp.BatchConfig.from_global(24, num_replicas=2, accum_steps=3)
+    given = pipelines.make_dataset(id_dataset(64), strategy=strategy, batch=batch, seed=0)
+    built = pipelines.make_dataset(id_dataset(64), strategy=strategy, global_batch=24,
+                                   accum_steps=3, seed=0)
+    assert given.pipeline_info.batch is batch
+    assert built.pipeline_info.batch == batch
+    given_steps, built_steps = collect(given, strategy), collect(built, strategy)
+    assert len(given_steps) == len(built_steps) == 2
+    for given_step, built_step in zip(given_steps, built_steps):
+        for given_parts, built_parts in zip(given_step, built_step):
+            for a, b in zip(given_parts, built_parts):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(), ValueError, r"Pass the batch: `batch=tfdp.BatchConfig\(...\)`.*Received neither"),
+    (dict(batch=tfdp.BatchConfig(4, 2), global_batch=8), ValueError,
+     r"Pass `batch` alone.*Received also: global_batch=8, accum_steps=None"),
+    (dict(batch=tfdp.BatchConfig(4, 2), accum_steps=2), ValueError,
+     r"Pass `batch` alone.*accum_steps=2"),
+    (dict(batch=8), TypeError, r"`batch` must be a tfdp.BatchConfig \(for a number, pass "
+                               r"`global_batch`\)\. Received: batch=8 of type int"),
+    (dict(batch=tfdp.BatchConfig(4, 4)), ValueError,
+     r"`batch` is for 4 replica\(s\), but the strategy has 2 replica\(s\) in sync\. "
+     r"Build it for this strategy, e\.g\. tfdp\.BatchConfig\.from_global\(16, "
+     r"num_replicas=strategy\.num_replicas_in_sync, accum_steps=1\)"),
+])
+def test_the_batch_is_given_once_and_for_this_strategy(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        pipelines.make_dataset(id_dataset(64), strategy=get_strategy("mirrored2"), **kwargs)
+
+
+def test_an_input_context_with_other_replicas_than_the_batch_is_refused():
+    pipeline = pipeline_lib.InputPipeline(
+        source=pipelines.get_source(id_dataset(16)), split="train",
+        batch=tfdp.BatchConfig(2, 2), training=True, shuffle=False, seed=0,
+        shard_policy="auto", drop_remainder=True, cache=False, preprocess=None,
+    )
+    with pytest.raises(ValueError, match=r"The input context has 4 replica\(s\) in sync, "
+                                         r"but the batch is for 2"):
+        pipeline(tf.distribute.InputContext(1, 0, 4))
 
 
 def test_training_split_smaller_than_one_global_batch_is_an_error():
@@ -503,7 +552,8 @@ def test_pipeline_maps_and_batches_in_parallel_and_prefetches_last(where, traini
         dataset = pipelines.make_dataset(strategy=get_strategy("default"), **arguments)
     else:
         pipeline = pipeline_lib.InputPipeline(
-            source=arguments.pop("source"), split="train", accum_steps=1, shuffle=True,
+            source=arguments.pop("source"), split="train",
+            batch=tfdp.BatchConfig.from_global(arguments.pop("global_batch"), 4), shuffle=True,
             shard_policy="auto", drop_remainder=training, cache=False, **arguments,
         )
         dataset = pipeline(tf.distribute.InputContext(2, 1, 4))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfdp import _checks
+
 
 def num_batches(dataset) -> int:
     """Batches (steps) in `dataset`: -1 if infinite, -2 if unknown.
@@ -25,13 +27,6 @@ def num_batches(dataset) -> int:
     if callable(value):
         value = value()
     return int(value)
-
-
-def _check_count(name: str, value, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer{hint}. Received: {name}={value!r}"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +59,9 @@ class BatchConfig:
     accum_steps: int = 1
 
     def __post_init__(self):
-        _check_count("per_replica", self.per_replica)
-        _check_count("num_replicas", self.num_replicas)
-        _check_count("accum_steps", self.accum_steps, " (1 means no accumulation)")
+        _checks.check_int("per_replica", self.per_replica)
+        _checks.check_int("num_replicas", self.num_replicas)
+        _checks.check_int("accum_steps", self.accum_steps, hint=" (1 means no accumulation)")
 
     @property
     def global_batch(self) -> int:
@@ -97,9 +92,9 @@ class BatchConfig:
                 `global_batch` is not a multiple of `num_replicas * accum_steps`
                 (the message names the nearest valid global batches).
         """
-        _check_count("global_batch", global_batch)
-        _check_count("num_replicas", num_replicas)
-        _check_count("accum_steps", accum_steps, " (1 means no accumulation)")
+        _checks.check_int("global_batch", global_batch)
+        _checks.check_int("num_replicas", num_replicas)
+        _checks.check_int("accum_steps", accum_steps, hint=" (1 means no accumulation)")
         unit = num_replicas * accum_steps
         if global_batch % unit:
             lower = (global_batch // unit) * unit
