@@ -64,20 +64,11 @@ from typing import Callable
 import tensorflow as tf
 
 import tfdp
+from tfdp import _checks
 from tfdp.pipelines import _upstream
 from tfdp.pipelines import input_pipeline as pipeline_lib
 from tfdp.pipelines import sharding
 from tfdp.pipelines import source_registry as sources_lib
-
-
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
 
 
 def _batch_config(batch, global_batch, accum_steps, num_replicas: int) -> tfdp.BatchConfig:
@@ -211,10 +202,10 @@ def make_dataset(
         )
     if not isinstance(split, str):
         raise TypeError(f"`split` must be a string. Received: split={split!r}")
-    _check_bool("training", training)
-    _check_bool("shuffle", shuffle)
+    _checks.check_bool("training", training)
+    _checks.check_bool("shuffle", shuffle)
     if drop_remainder is not None:
-        _check_bool("drop_remainder", drop_remainder)
+        _checks.check_bool("drop_remainder", drop_remainder)
     if drop_remainder and not training:
         raise ValueError(
             "Evaluation never drops examples, but `drop_remainder=True` was passed "
@@ -225,7 +216,7 @@ def make_dataset(
             "training=False, drop_remainder=True"
         )
     if seed is not None:
-        _check_int("seed", seed, minimum=0)
+        _checks.check_int("seed", seed, minimum=0)
     if shard_policy not in sharding.POLICIES:
         raise ValueError(
             f"`shard_policy` must be one of {', '.join(map(repr, sharding.POLICIES))}. "

@@ -19,16 +19,10 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfdp import _checks
 from tfdp.pipelines import source as source_lib
 
 ENCODINGS = (None, "jpeg", "png")
-
-
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
-        )
 
 
 def _seeds(seed: int, index: tf.Tensor, stream: int) -> tf.Tensor:
@@ -67,10 +61,10 @@ class SyntheticImages(source_lib.Source):
         num_distinct: int = 64,
         seed: int = 0,
     ):
-        _check_int("num_examples", num_examples, minimum=1)
-        _check_int("num_classes", num_classes, minimum=1)
-        _check_int("num_distinct", num_distinct, minimum=1)
-        _check_int("seed", seed, minimum=0)
+        _checks.check_int("num_examples", num_examples, minimum=1)
+        _checks.check_int("num_classes", num_classes, minimum=1)
+        _checks.check_int("num_distinct", num_distinct, minimum=1)
+        _checks.check_int("seed", seed, minimum=0)
         image_shape = tuple(image_shape)
         if (
             len(image_shape) != 3
@@ -161,12 +155,12 @@ class SyntheticTokens(source_lib.Source):
         num_classes: int = 2,
         seed: int = 0,
     ):
-        _check_int("num_examples", num_examples, minimum=1)
-        _check_int("vocab_size", vocab_size, minimum=2)
-        _check_int("min_length", min_length, minimum=1)
-        _check_int("max_length", max_length, minimum=min_length)
-        _check_int("num_classes", num_classes, minimum=1)
-        _check_int("seed", seed, minimum=0)
+        _checks.check_int("num_examples", num_examples, minimum=1)
+        _checks.check_int("vocab_size", vocab_size, minimum=2)
+        _checks.check_int("min_length", min_length, minimum=1)
+        _checks.check_int("max_length", max_length, minimum=min_length)
+        _checks.check_int("num_classes", num_classes, minimum=1)
+        _checks.check_int("seed", seed, minimum=0)
         self.num_examples_per_split = num_examples
         self.vocab_size = vocab_size
         self.min_length = min_length

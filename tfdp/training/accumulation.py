@@ -35,20 +35,13 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfdp import _checks
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import step_monitor
 from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import keras_train_function
 from tfdp._upstream import keras_train_step
-
-
-def _check_accum_steps(accum_steps) -> None:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(
-            "`accum_steps` must be a positive integer (1 means no accumulation). "
-            f"Received: accum_steps={accum_steps!r}"
-        )
 
 
 def _split_micro_batches(data: Any, accum_steps: int) -> Any:
@@ -236,7 +229,7 @@ def compile(  # pylint: disable=redefined-builtin
             `jit_compile=True` under a strategy where XLA cannot run (see
             `tfdp.distribute.devices.check_jit_compile_supported`).
     """
-    _check_accum_steps(accum_steps)
+    _checks.check_int("accum_steps", accum_steps, hint=" (1 means no accumulation)")
     if (
         isinstance(steps_per_execution, bool)
         or not isinstance(steps_per_execution, int)

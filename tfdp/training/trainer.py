@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfdp import _checks
 from tfdp.training import accumulation
 from tfdp.training import checkpointing
 from tfdp.training import nonfinite as nonfinite_lib
@@ -80,16 +81,6 @@ def _loss_name(loss) -> str:
     name = getattr(name, "__name__", None) or type(loss).__name__
     # SparseCategoricalCrossentropy -> sparse_categorical_crossentropy
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
-
-
-def _check_positive(name: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer{' or None' if allow_none else ''}. "
-            f"Received: {name}={value!r}"
-        )
 
 
 class Trainer:
@@ -207,9 +198,9 @@ class Trainer:
                 f"{strategy.num_replicas_in_sync}, {batch.accum_steps}) to keep the "
                 f"per-replica batch."
             )
-        _check_positive("steps_per_loop", steps_per_loop)
-        _check_positive("checkpoint_every", checkpoint_every, allow_none=True)
-        _check_positive("max_to_keep", max_to_keep)
+        _checks.check_int("steps_per_loop", steps_per_loop)
+        _checks.check_int("checkpoint_every", checkpoint_every, allow_none=True)
+        _checks.check_int("max_to_keep", max_to_keep)
         nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
@@ -463,9 +454,9 @@ class Trainer:
                 "Pass exactly one of `steps` (total training steps) or `epochs`. "
                 f"Received: steps={steps!r}, epochs={epochs!r}"
             )
-        _check_positive("steps", steps, allow_none=True)
-        _check_positive("epochs", epochs, allow_none=True)
-        _check_positive("steps_per_epoch", steps_per_epoch, allow_none=True)
+        _checks.check_int("steps", steps, allow_none=True)
+        _checks.check_int("epochs", epochs, allow_none=True)
+        _checks.check_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         dataset_for_epoch = dataset if callable(dataset) and not isinstance(
             dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)
         ) else (lambda epoch: dataset)
