@@ -20,6 +20,9 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tfdp import _checks
+
+
 Preprocess = Callable[..., tuple]
 
 
@@ -94,10 +97,7 @@ class RandomCropFlip:
     needs_seed = True
 
     def __init__(self, *, padding: int = 4, flip: bool = True):
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ValueError(
-                f"`padding` must be an integer >= 0. Received: padding={padding!r}"
-            )
+        _checks.check_int("padding", padding, minimum=0)
         self.padding = padding
         self.flip = bool(flip)
 
@@ -164,8 +164,7 @@ class PadTokens:
     needs_seed = False
 
     def __init__(self, *, length: int, pad_id: int = 0):
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"`length` must be an integer >= 1. Received: length={length!r}")
+        _checks.check_int("length", length)
         self.length = length
         self.pad_id = pad_id
 

@@ -112,7 +112,7 @@ def test_for_images_augments_only_training():
     [
         (lambda: pipelines.normalize_images(std=0), r"`std` must be positive"),
         (lambda: pipelines.random_crop_flip(padding=-1), r"`padding` must be an integer >= 0"),
-        (lambda: pipelines.pad_tokens(length=0), r"`length` must be an integer >= 1"),
+        (lambda: pipelines.pad_tokens(length=0), r"`length` must be a positive integer"),
         (lambda: pipelines.decode_image(channels=4), r"`channels` must be 1 or 3"),
     ],
 )

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfdp import _checks
 from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
 from tfdp.training import step_monitor
@@ -224,15 +225,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "tf.data.experimental.assert_cardinality(n)."
                 )
             steps_per_epoch = cardinality
-        elif (
-            isinstance(steps_per_epoch, bool)
-            or not isinstance(steps_per_epoch, int)
-            or steps_per_epoch < 1
-        ):
-            raise ValueError(
-                "`steps_per_epoch` must be a positive integer or None. "
-                f"Received: steps_per_epoch={steps_per_epoch!r}"
-            )
+        else:
+            _checks.check_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._input = keras_fit_resume.EpochInput(
             dataset_fn, steps_per_epoch=steps_per_epoch, position=self._position,
             num_batches=batch_lib.num_batches,
