@@ -39,18 +39,16 @@ def _strategy(replicas):
 
 def _sigterm_after(trainer, calls):
     """Sends SIGTERM to this process at the end of the `calls`-th training call."""
-    loop = trainer._train_loop
     done = []
 
-    def loop_then_sigterm(iterator, num):
-        loop(iterator, num)
-        done.append(num)
+    def sigterm_at_the_end():
+        done.append(1)
         if len(done) == calls:
             # Never kill the test run: the Trainer's handler must be in place.
             assert signal.getsignal(signal.SIGTERM) not in (None, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    trainer._train_loop = loop_then_sigterm
+    trainer.train_loop_end = sigterm_at_the_end
 
 
 def _checkpoint_steps(model_dir: Path) -> list[int]:
@@ -132,13 +130,7 @@ def test_sigterm_is_left_alone_without_model_dir_or_when_disabled(tmp_path, mode
     trainer = job.build_trainer(_strategy(1), str(tmp_path / "m") if model_dir else None,
                                 save_on_sigterm=save_on_sigterm)
     seen = []
-    loop = trainer._train_loop
-
-    def loop_and_look(iterator, num):
-        seen.append(signal.getsignal(signal.SIGTERM))
-        loop(iterator, num)
-
-    trainer._train_loop = loop_and_look
+    trainer.train_loop_begin = lambda: seen.append(signal.getsignal(signal.SIGTERM))
     trainer.train(job.dataset_for_epoch, steps=3)
     assert seen == [before] * 3
 

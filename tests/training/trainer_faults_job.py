@@ -151,16 +151,14 @@ def _write(path: str, text: str) -> None:
 
 def train(out_dir: str, strategy, rank: int) -> None:
     trainer = build_trainer(strategy, os.path.join(out_dir, "model"))
-    loop = trainer._train_loop  # pylint: disable=protected-access
 
-    def loop_and_report(iterator, num):
-        loop(iterator, num)
+    def report():
         step = int(trainer.optimizer.iterations.numpy())
         _write(os.path.join(out_dir, f"step-{rank}"), str(step))
         if step >= PAUSE_AFTER:
             time.sleep(PAUSE_SECONDS)
 
-    trainer._train_loop = loop_and_report  # pylint: disable=protected-access
+    trainer.train_loop_end = report
     try:
         trainer.train(dataset_for_epoch, steps=TOTAL_STEPS)
     except SystemExit as exit_:

@@ -4,7 +4,8 @@
 - `accumulation`: micro-batches and `tfdp.compile` for `model.fit`;
 - `nonfinite`: the optimizer wrappers that skip NaN/Inf steps everywhere alike;
 - `step_monitor`: after each training call, skips logged and the limit enforced; no non-finite save;
-- `trainer`: `tfdp.Trainer`, the custom loop that resumes exactly;
+- `trainer`: `tfdp.Trainer`, the outer loop (epochs, checkpoints, resuming exactly);
+- `replica_steps`: its inner loop, one replica's train and eval step in a `tf.function`;
 - `checkpointing`: chief-only checkpoint writes;
 - `lr_schedules`: LR scaling with the batch, and warmup;
 - `optimizers`: LARS and LAMB (public as `tfdp.optimizers`);

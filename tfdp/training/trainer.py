@@ -1,9 +1,9 @@
 """A custom data-parallel training loop that resumes exactly.
 
-`Trainer` owns the inner loop (`strategy.run` of a replica step inside a
-`tf.function` that runs `steps_per_loop` optimizer steps per call) and the
-outer loop (epochs, logging, TensorBoard summaries, checkpoints, resuming).
-Gradient accumulation comes from `tfdp.training.accumulation`, batch arithmetic from
+`Trainer` owns the outer loop (epochs, logging, TensorBoard summaries,
+checkpoints, resuming), Orbit's controller side; the inner loop (a replica
+step inside a `tf.function` that runs `steps_per_loop` optimizer steps per
+call) is `tfdp.training.replica_steps`'s. Batch arithmetic comes from
 `tfdp.training.batch`, chief-only checkpoint writing from `tfdp.training.checkpointing`, the
 save-and-exit on SIGTERM from `tfdp.distribute.preemption` (shared with the `fit`
 callback), skipping non-finite steps from `tfdp.training.nonfinite`; input pipelines are
@@ -32,9 +32,9 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import _checks
-from tfdp.training import accumulation
 from tfdp.training import checkpointing
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import replica_steps
 from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import devices
@@ -44,43 +44,6 @@ from tfdp.training.batch import BatchConfig
 
 DatasetLike = Union[tf.data.Dataset, tf.distribute.DistributedDataset, Any]
 DatasetSource = Union[DatasetLike, Callable[[int], DatasetLike]]
-
-
-def _per_example_loss_fn(loss) -> Callable[[Any, Any], tf.Tensor]:
-    """Turns a Keras loss (name, function or `Loss`) into y, y_pred -> [batch] losses."""
-    resolved = keras.losses.get(loss)
-    if resolved is None:
-        raise ValueError(f"`loss` must name or be a Keras loss. Received: loss={loss!r}")
-    if isinstance(resolved, keras.losses.Loss):
-        per_example = resolved.call  # unreduced, as Loss subclasses define it
-    else:
-        per_example = resolved
-
-    def fn(y, y_pred):
-        values = tf.convert_to_tensor(per_example(y, y_pred))
-        if values.shape.rank and values.shape.rank > 1:
-            # Keras' sum_over_batch_size averages over every element.
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-        return values
-
-    return fn
-
-
-_ACCURACY_FOR_LOSS = {
-    "sparse_categorical_crossentropy": keras.metrics.SparseCategoricalAccuracy,
-    "categorical_crossentropy": keras.metrics.CategoricalAccuracy,
-    "binary_crossentropy": keras.metrics.BinaryAccuracy,
-}
-
-
-def _loss_name(loss) -> str:
-    """`"sparse_categorical_crossentropy"` for that loss's name, class or function."""
-    if isinstance(loss, str):
-        return loss
-    name = getattr(loss, "fn", None) or loss
-    name = getattr(name, "__name__", None) or type(loss).__name__
-    # SparseCategoricalCrossentropy -> sparse_categorical_crossentropy
-    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
 class Trainer:
@@ -231,8 +194,6 @@ class Trainer:
         self.steps_per_loop = steps_per_loop
         self.checkpoint_every = checkpoint_every
         self.info = strategy_info_lib.strategy_info(strategy)
-        self._per_example_loss = _per_example_loss_fn(loss)
-        self._loss_name = _loss_name(loss)
 
         if not strategy.extended.variable_created_in_scope(
             getattr(optimizer.iterations, "value", optimizer.iterations)
@@ -252,11 +213,11 @@ class Trainer:
                 all_reduce_dtype=all_reduce_dtype,
             )
             optimizer.build(model.trainable_variables)
-            self._train_loss = keras.metrics.Mean(name="loss")
-            self._eval_loss = keras.metrics.Mean(name="loss")
-            self._train_metrics = [self._metric(m) for m in metrics or ()]
-            self._eval_metrics = [self._metric(m, copy=True) for m in metrics or ()]
         self.optimizer = optimizer
+        self._steps = replica_steps.ReplicaSteps(
+            model=model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
+            metrics=metrics, jit_compile=jit_compile,
+        )
         self._guard = nonfinite_lib.guard_of(optimizer)
         self._monitor = self._guard and step_monitor.StepMonitor(
             self._guard, owner="tfdp trainer", log=self.info.is_chief
@@ -274,111 +235,6 @@ class Trainer:
             )
             if self.info.is_chief:
                 self._summary_writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
-
-        # As Keras does: XLA compiles the whole `strategy.run` of one step.
-        self._step = tf.function(self._step_fn, jit_compile=True) if jit_compile else self._step_fn
-        self._train_loop = tf.function(self._train_loop_fn)
-        self._skip_loop = tf.function(self._skip_loop_fn)
-        self._eval_step = tf.function(self._eval_step_fn)
-
-    # --- construction helpers -------------------------------------------
-
-    def _metric(self, metric, copy: bool = False):
-        if isinstance(metric, str):
-            if metric in ("accuracy", "acc"):
-                # As model.compile does: pick the accuracy that fits the loss.
-                return _ACCURACY_FOR_LOSS.get(self._loss_name, keras.metrics.CategoricalAccuracy)(
-                    name="accuracy"
-                )
-            return keras.metrics.get(metric)
-        if not isinstance(metric, keras.metrics.Metric):
-            raise TypeError(
-                f"`metrics` entries must be metric names or keras.metrics.Metric "
-                f"instances. Received: {metric!r}"
-            )
-        if copy:
-            return type(metric).from_config(metric.get_config())
-        if metric.variables and not self.strategy.extended.variable_created_in_scope(
-            getattr(metric.variables[0], "value", metric.variables[0])
-        ):
-            raise ValueError(
-                f"Metric {metric.name!r} was created outside `strategy.scope()`; its "
-                f"state would not be aggregated over replicas. Create it inside the "
-                f"scope, or pass its name instead."
-            )
-        return metric
-
-    # --- replica steps ----------------------------------------------------
-
-    def _replica_train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        variables = self.model.trainable_variables
-        global_batch = float(self.batch.global_batch)
-        # Regularisation: once per optimizer step in total, over every
-        # replica and micro-batch.
-        regularization_share = 1.0 / (self.batch.num_replicas * self.batch.accum_steps)
-
-        def micro_batch_loss(micro_batch):
-            mx, my, msw = micro_batch
-            y_pred = self.model(mx, training=True)
-            per_example = tf.cast(self._per_example_loss(my, y_pred), tf.float32)
-            weights = tf.ones_like(per_example) if msw is None else tf.cast(msw, tf.float32)
-            loss = tf.reduce_sum(per_example * weights) / global_batch
-            if self.model.losses:
-                loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * (
-                    regularization_share
-                )
-            self._train_loss.update_state(per_example, sample_weight=weights)
-            for metric in self._train_metrics:
-                metric.update_state(my, y_pred, sample_weight=msw)
-            if self._guard is not None:  # a non-finite loss makes a gradient NaN
-                loss = nonfinite_lib.fold_loss_into_gradients(loss, variables)
-            return self.optimizer.scale_loss(loss)
-
-        gradients = accumulation.sum_micro_batch_gradients(
-            (x, y, sample_weight), self.batch.accum_steps, variables, micro_batch_loss
-        )
-        # Losses are already divided by the global batch: the all-reduce SUM
-        # inside apply_gradients completes the mean. A non-finite step is
-        # skipped there, on every replica alike (tfdp.training.nonfinite).
-        self.optimizer.apply_gradients(zip(gradients, variables))
-
-    def _step_fn(self, data):
-        self.strategy.run(self._replica_train_step, args=(data,))
-
-    def _train_loop_fn(self, iterator, num_steps):
-        for _ in tf.range(num_steps):
-            self._step(next(iterator))
-
-    def _skip_loop_fn(self, iterator, num_steps):
-        for _ in tf.range(num_steps):
-            next(iterator)
-
-    def _replica_eval_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self.model(x, training=False)
-        per_example = tf.cast(self._per_example_loss(y, y_pred), tf.float32)
-        weights = (
-            tf.ones_like(per_example) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        )
-        self._eval_loss.update_state(per_example, sample_weight=weights)
-        for metric in self._eval_metrics:
-            metric.update_state(y, y_pred, sample_weight=sample_weight)
-
-    def _eval_step_fn(self, data):
-        self.strategy.run(self._replica_eval_step, args=(data,))
-
-    # --- datasets ---------------------------------------------------------
-
-    def _distribute(self, dataset, skip: int):
-        """A distributed iterator over `dataset`, with `skip` batches already consumed."""
-        if isinstance(dataset, tf.data.Dataset):
-            dataset = self.strategy.experimental_distribute_dataset(dataset.skip(skip))
-            return iter(dataset)
-        iterator = iter(dataset)
-        if skip:
-            self._skip_loop(iterator, tf.constant(skip))
-        return iterator
 
     # --- public API -------------------------------------------------------
 
@@ -500,15 +356,17 @@ class Trainer:
         logs: dict = {}
         while global_step < total_steps:
             epoch, offset = divmod(global_step, steps_per_epoch)
-            iterator = self._distribute(dataset_for_epoch(epoch), offset)
-            self._reset(self._train_loss, *self._train_metrics)
+            iterator = self._steps.distribute(dataset_for_epoch(epoch), offset)
+            self._reset(self._steps.train_loss, *self._steps.train_metrics)
             while offset < steps_per_epoch and global_step < total_steps:
                 num = min(self.steps_per_loop, steps_per_epoch - offset, total_steps - global_step)
                 if self.checkpoint_every:
                     num = min(num, self.checkpoint_every - global_step % self.checkpoint_every)
                 loop_start = time.perf_counter()
-                self._train_loop(iterator, tf.constant(num))
-                logs = self._results(self._train_loss, self._train_metrics)  # syncs the host
+                self.train_loop_begin()
+                self._steps.train_loop(iterator, tf.constant(num))
+                self.train_loop_end()
+                logs = self._results(self._steps.train_loss, self._steps.train_metrics)  # syncs
                 elapsed = time.perf_counter() - loop_start
                 offset += num
                 global_step += num
@@ -548,12 +406,30 @@ class Trainer:
         Returns:
             `{"loss": mean per-example loss, <metric names>: results}`.
         """
-        self._reset(self._eval_loss, *self._eval_metrics)
+        self._reset(self._steps.eval_loss, *self._steps.eval_metrics)
         if isinstance(dataset, tf.data.Dataset):
             dataset = self.strategy.experimental_distribute_dataset(dataset)
         for data in dataset:
-            self._eval_step(data)
-        return self._results(self._eval_loss, self._eval_metrics)
+            self._steps.eval_step(data)
+        return self._results(self._steps.eval_loss, self._steps.eval_metrics)
+
+    # --- hooks --------------------------------------------------------------
+
+    def train_loop_begin(self) -> None:
+        """Called before each training call of up to `steps_per_loop` steps; does nothing.
+
+        Override it in a subclass (or assign a function of no arguments to it
+        on one trainer) to act between calls, as Orbit's
+        `StandardTrainer.train_loop_begin` (the benchmark marks the time here).
+        It runs on every worker; a collective in it must run on all of them.
+        """
+
+    def train_loop_end(self) -> None:
+        """Called after each training call, before its metrics are read; does nothing.
+
+        Override it as `train_loop_begin`, as Orbit's `StandardTrainer.train_loop_end`.
+        `global_step` already counts the call's steps. It runs on every worker.
+        """
 
     # --- outer-loop helpers -------------------------------------------------
 
