@@ -12,7 +12,7 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from tfdp.pipelines.shape_check import check_model_compatible  # noqa: E402
 from tfdp.pipelines.distributed_dataset import make_dataset  # noqa: E402
-from tfdp.pipelines.input_pipeline import PipelineInfo  # noqa: E402
+from tfdp.pipelines.pipeline_info import PipelineInfo  # noqa: E402
 from tfdp.pipelines.digits import default_data_dir  # noqa: E402
 from tfdp.pipelines.digits import prepare as prepare_digits  # noqa: E402
 from tfdp.pipelines.preprocess import compose  # noqa: E402

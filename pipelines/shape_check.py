@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp.pipelines import input_pipeline as pipeline_lib
+from tfdp.pipelines.pipeline_info import PipelineInfo
 
 
-def _info(dataset_or_info) -> pipeline_lib.PipelineInfo:
-    if isinstance(dataset_or_info, pipeline_lib.PipelineInfo):
+def _info(dataset_or_info) -> PipelineInfo:
+    if isinstance(dataset_or_info, PipelineInfo):
         return dataset_or_info
     info = getattr(dataset_or_info, "pipeline_info", None)
-    if not isinstance(info, pipeline_lib.PipelineInfo):
+    if not isinstance(info, PipelineInfo):
         raise TypeError(
             "`dataset` must be a dataset returned by pipelines.make_dataset (or "
             f"its pipeline_info). Received: {dataset_or_info!r}"

@@ -13,7 +13,7 @@ import ast
 
 import pytest
 
-from test_layout import MODULES, ROOT
+from test_layout import MODULES, ROOT, _imports
 
 QUARANTINE = ("tfdp/_upstream/", "pipelines/_upstream.py")
 PRIVATE_MODULES = ("tensorflow.python", "tensorflow.compiler", "tensorflow.core",
@@ -47,16 +47,12 @@ OWN_PRIVATE_NAMES = _own_private_names()
 
 
 def _private_touches(path):
+    for line, module in _imports(path):
+        if module.startswith(PRIVATE_MODULES):
+            yield line, f"import of {module}"
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith(PRIVATE_MODULES):
-                    yield node.lineno, f"import {alias.name}"
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.startswith(PRIVATE_MODULES):
-                yield node.lineno, f"from {node.module} import ..."
-        elif isinstance(node, ast.Attribute):
+        if isinstance(node, ast.Attribute):
             name = node.attr
             if name == "__internal__":
                 yield node.lineno, f"{ast.unparse(node)}"

@@ -85,7 +85,7 @@ def test_a_mismatch_in_the_set_of_fields_suggests_different_versions():
 _SAME_CONFIG = """
     import os
     import tfdp
-    from tfdp.distribute import startup
+    from tfdp.distribute import config_check
 
     strategy = tfdp.make_strategy("multi_worker", startup_timeout=60)
     rank = int(os.environ["TFDP_RANK"])

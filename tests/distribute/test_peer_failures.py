@@ -68,7 +68,7 @@ _STUCK_PEER = """
     import os, signal, sys, time
     import tensorflow as tf
     import tfdp
-    from tfdp.distribute import startup
+    from tfdp.distribute import peer_failures
 
     strategy = tfdp.make_strategy("multi_worker", timeout_seconds=5, startup_timeout=60)
 

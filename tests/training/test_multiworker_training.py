@@ -79,7 +79,7 @@ def test_large_batch_optimizer_fit_on_two_workers_equals_one_device(workers, nam
     initial = job.build_model().get_weights()
     assert max(np.abs(w - w0).max() for w, w0 in zip(reference.get_weights(), initial)) > 0.1
     for record in records:
-        assert str(record[f"{name}_optimizer"]).startswith("tfdp.optimizers.")
+        assert str(record[f"{name}_optimizer"]).startswith("tfdp.training.optimizers.")
         assert int(record[f"{name}_iterations"]) == job.STEPS_PER_EPOCH
         _assert_weights(record, name, reference.get_weights(), atol=1e-5)
 

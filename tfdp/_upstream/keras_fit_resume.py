@@ -38,12 +38,13 @@ versions it was written against.
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any, Callable
 
 import keras
 import tensorflow as tf
+
+from tfdp._upstream import _versions
 
 from keras.src.trainers import epoch_iterator as _epoch_iterator
 from keras.src.trainers.data_adapters import data_adapter as _data_adapter
@@ -59,15 +60,7 @@ _lock = threading.Lock()
 
 def is_supported(keras_version: str | None = None) -> bool:
     """Whether `keras_version` (default: the installed one) is in `KNOWN_KERAS_RANGE`."""
-    version = keras.__version__ if keras_version is None else keras_version
-    match = re.match(r"^\s*(\d+)\.(\d+)", version)
-    if match is None:
-        raise ValueError(
-            f"`keras_version` must look like 'MAJOR.MINOR[.PATCH...]'. "
-            f"Received: keras_version={version!r}"
-        )
-    low, high = KNOWN_KERAS_RANGE
-    return low <= (int(match.group(1)), int(match.group(2))) <= high
+    return _versions.keras_in_range(KNOWN_KERAS_RANGE, keras_version)
 
 
 def set_initial_epoch(model: keras.Model, epoch: int) -> None:

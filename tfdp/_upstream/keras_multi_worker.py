@@ -98,12 +98,13 @@ the range.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from typing import Any, Callable, Iterable
 
 import keras
 import tensorflow as tf
+
+from tfdp._upstream import _versions
 from absl import logging
 from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
 from tensorflow.python.framework import func_graph as _func_graph
@@ -250,16 +251,6 @@ def _check_patch_names(argument: str, names: Iterable[str] | None) -> tuple[str,
     return names
 
 
-def _parse_major_minor(version: str) -> tuple[int, int]:
-    match = re.match(r"^\s*(\d+)\.(\d+)", version)
-    if match is None:
-        raise ValueError(
-            f"`keras_version` must look like 'MAJOR.MINOR[.PATCH...]'. "
-            f"Received: keras_version={version!r}"
-        )
-    return int(match.group(1)), int(match.group(2))
-
-
 def is_needed(keras_version: str | None = None) -> bool:
     """Whether the installed Keras is one the patches are known to be needed for.
 
@@ -274,9 +265,7 @@ def is_needed(keras_version: str | None = None) -> bool:
     Raises:
         ValueError: `keras_version` does not start with `MAJOR.MINOR`.
     """
-    version = keras.__version__ if keras_version is None else keras_version
-    low, high = KNOWN_KERAS_RANGE
-    return low <= _parse_major_minor(version) <= high
+    return _versions.keras_in_range(KNOWN_KERAS_RANGE, keras_version)
 
 
 def _is_ours(value) -> bool:

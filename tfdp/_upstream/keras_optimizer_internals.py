@@ -25,10 +25,11 @@ every member against a real Keras optimizer, and the installed Keras against
 
 from __future__ import annotations
 
-import re
 
 import keras
 import tensorflow as tf
+
+from tfdp._upstream import _versions
 
 # pylint: disable=protected-access
 
@@ -38,15 +39,7 @@ KNOWN_KERAS_RANGE = ((3, 0), (3, 15))
 
 def is_supported(keras_version: str | None = None) -> bool:
     """Whether `keras_version` (default: the installed one) is in `KNOWN_KERAS_RANGE`."""
-    version = keras.__version__ if keras_version is None else keras_version
-    match = re.match(r"^\s*(\d+)\.(\d+)", version)
-    if match is None:
-        raise ValueError(
-            f"`keras_version` must look like 'MAJOR.MINOR[.PATCH...]'. "
-            f"Received: keras_version={version!r}"
-        )
-    low, high = KNOWN_KERAS_RANGE
-    return low <= (int(match.group(1)), int(match.group(2))) <= high
+    return _versions.keras_in_range(KNOWN_KERAS_RANGE, keras_version)
 
 
 def _member(owner, name: str):
