@@ -37,6 +37,8 @@ Modules: `tfdp.launch.local` (what each worker runs, with which environment),
 (the attempt loop), `tfdp.launch.worker_group` (start, supervise, stop a set of
 processes), `tfdp.launch.output` (rank-prefixed output, log tails),
 `tfdp.launch.signals` (signal catching), `tfdp.launch.bind` (the bind shim), `tfdp.launch._proc` (process groups, /proc,
-reaping), `tfdp.launch.sbatch` and `tfdp.launch.k8s` (scheduler files). This package may
-import `tfdp.distribute.cluster`; `tfdp` never imports `launch`.
+reaping), `tfdp.launch.sbatch` and `tfdp.launch.k8s` (scheduler files). This
+package imports only the library modules that load without TensorFlow
+(`tfdp._checks`, `tfdp.distribute.cluster`, `tfdp.distribute.local_cluster`);
+the library never imports it.
 """

@@ -1,4 +1,4 @@
-"""Keras models for tfdp, by name: `models.get("cnn", input_shape=..., num_classes=...)`.
+"""Keras models for tfdp, by name: `tfdp.models.get("cnn", input_shape=..., num_classes=...)`.
 
 Every model maps one batch of examples to float32 logits of shape
 `(batch, num_classes)` (train it with
@@ -10,8 +10,9 @@ Every model maps one batch of examples to float32 logits of shape
 - `resnet50`: `keras.applications.ResNet50`, random weights, >= 32x32 input.
 - `transformer`: encoder classifier over int token ids `(batch, seq_len)`.
 
-Register your own with `@models.register("name")`. `tfdp` never imports
-`models`: `tfdp-train` passes `models.get` to `tfdp.app.experiment`.
+Register your own with `@tfdp.models.register("name")`. The library never
+imports this package: `tfdp-train` (`tfdp.app`) passes `models.get` to
+`tfdp.app.experiment`.
 """
 
 import os as _os

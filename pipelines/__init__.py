@@ -4,6 +4,9 @@
 example once per epoch, and every worker the same number of steps, for
 `model.fit` and custom loops alike. Sources: TFDS datasets by name, the
 offline `digits` dataset, synthetic data, or your own `tf.data.Dataset`.
+
+Installed as `tfdp.pipelines` (`from tfdp import pipelines`). It uses the
+library (`tfdp.BatchConfig`); the library never imports it.
 """
 
 import os as _os
