@@ -16,6 +16,7 @@ same minutes of the same machine, each in fresh processes with deadlines:
 
 `workloads` defines the networks and data, `procs` runs processes,
 `worker` is the measurement processes' entry point, `suite` the order and
-sizes, `targets` the issue's thresholds, `report` the output files. Nothing
+sizes, `targets` the issue's thresholds, `report` the output files, `link`
+the shaped link of `--link`. Nothing
 here is imported by the rest of tfdp.
 """

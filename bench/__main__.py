@@ -7,6 +7,7 @@ skipped case (PyTorch not installed) is not a failure.
 
     python -m tfdp.bench                       # full suite, ~15 min on 2 cores
     python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, < 3 min
+    python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ _ROUNDS = flags.DEFINE_integer(
 _LINK = flags.DEFINE_float(
     "link_gbytes_per_second", None,
     "Link bandwidth B for the ring bound, GB/s. Defaults to the largest message's bus bandwidth.")
+_SHAPED_LINK = flags.DEFINE_string(
+    "link", None, "Run every multi-worker case over a loopback shaped to this rate, e.g. "
+    "100mbit or 1gbit (a network namespace with tc tbf; needs root, ip and tc). "
+    "Defaults to the unshaped loopback.")
 _TIMEOUT_SCALE = flags.DEFINE_float(
     "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines).")
 
@@ -50,6 +55,7 @@ def main(argv) -> None:
         "steps_per_execution": _STEPS_PER_EXECUTION.value,
         "link_gbytes_per_second": _LINK.value,
         "timeout_scale": _TIMEOUT_SCALE.value,
+        "link": _SHAPED_LINK.value,
     }
     for name, flag in (("steps", _STEPS), ("repeats", _REPEATS), ("rounds", _ROUNDS)):
         if flag.value is not None:
@@ -59,7 +65,14 @@ def main(argv) -> None:
                   else suite.SuiteConfig(**overrides))
     except ValueError as error:
         raise app.UsageError(str(error)) from None
-    results = suite.run_suite(config)
+    from tfdp.bench import link
+
+    try:
+        results = suite.run_suite(config)
+    except link.LinkUnavailable as error:
+        print(f"[tfdp.bench] --link={_SHAPED_LINK.value}: cannot shape the link: {error}",
+              file=sys.stderr)
+        sys.exit(2)
     paths = report.write(results, _OUT_DIR.value)
     print(report.markdown(results))
     print(f"[tfdp.bench] wrote {', '.join(paths.values())}")

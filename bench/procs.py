@@ -12,6 +12,7 @@ modules' business; which jobs run is `tfdp.bench.suite`'s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,10 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 #: Seconds between SIGTERM and SIGKILL when a run is stopped.
 _GRACE_SECONDS = 5.0
+#: Command prefix for multi-worker runs (`through_link`); empty: the host's network.
+_link_prefix: tuple[str, ...] = ()
 _OUTPUT_TAIL_CHARS = 4000
 
 
@@ -107,6 +110,23 @@ def run_command(
     return stdout
 
 
+@contextlib.contextmanager
+def through_link(prefix: Sequence[str]) -> Iterator[None]:
+    """Within the block, every multi-worker run starts as `prefix + command`.
+
+    `prefix` is `tfdp.bench.link.shaped_link`'s (`ip netns exec NAME`): the
+    launcher and its workers then run inside the shaped namespace and
+    all-reduce over its loopback. Single-process runs stay outside: they do
+    not communicate.
+    """
+    global _link_prefix
+    previous, _link_prefix = _link_prefix, tuple(prefix)
+    try:
+        yield
+    finally:
+        _link_prefix = previous
+
+
 def run_job(
     job: str,
     spec: Mapping,
@@ -137,7 +157,8 @@ def run_job(
         command = [sys.executable, "-m", "tfdp.bench.worker", job,
                    "--spec", json.dumps(dict(spec)), "--out", out]
         if nproc is not None:
-            command = [sys.executable, "-m", "tfdp.launch", "--nproc_per_node", str(nproc),
+            command = [*(_link_prefix if nproc > 1 else ()),
+                       sys.executable, "-m", "tfdp.launch", "--nproc_per_node", str(nproc),
                        "--grace_period", str(_GRACE_SECONDS), "--", *command]
         run_command(command, timeout=timeout, env=env)
         if not os.path.exists(out):

@@ -74,7 +74,14 @@ def _machine(results) -> list[str]:
         f"| mode | {'quick (smoke test: few steps, numbers are rough)' if c['quick'] else 'full'}"
         f", {c['threads']} intra-/inter-op thread(s) per worker, suite took "
         f"{results.get('seconds', 0):.0f} s |",
+        f"| link between workers | {_link(c)} |",
     ]
+
+
+def _link(config) -> str:
+    if not config.get("link"):
+        return "loopback, unshaped"
+    return f"loopback shaped to {config['link']} (tc tbf in a network namespace)"
 
 
 def _targets(results) -> list[str]:

@@ -23,6 +23,7 @@ from typing import Callable
 from tfdp.bench import accumulation
 from tfdp.bench import allreduce
 from tfdp.bench import input_pipeline
+from tfdp.bench import link as link_lib
 from tfdp.bench import machine
 from tfdp.bench import overhead
 from tfdp.bench import peer_torch
@@ -58,6 +59,8 @@ class SuiteConfig:
         link_gbytes_per_second: link bandwidth for the ring bound; None measures it.
         pipeline_flags: `tfdp.bench.input_pipeline.run_benchmark` arguments.
         timeout_scale: multiplies every subprocess deadline.
+        link: run every multi-worker case over a loopback shaped to this
+            rate (`"100mbit"`, `"1gbit"`; `tfdp.bench.link`); None: unshaped.
     """
 
     quick: bool = False
@@ -80,8 +83,11 @@ class SuiteConfig:
         ("epochs", 2), ("repeats", 5),
     )
     timeout_scale: float = 1.0
+    link: str | None = None
 
     def __post_init__(self):
+        if self.link is not None:
+            link_lib.check_rate(self.link)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"`threads` must be a positive integer. Received: threads={self.threads!r}")
         if self.steps % self.steps_per_execution or self.steps < 2 * self.steps_per_execution:
@@ -149,7 +155,20 @@ def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dic
         "targets", "load_average_at_end", "seconds"}`; every case in `CASES`
         is present, with `"status"` "ok", "skipped" (and `"reason"`) or
         "error" (and `"error"`).
+
+    Raises:
+        tfdp.bench.link.LinkUnavailable: `config.link` is set and this
+            machine cannot shape a link; nothing was run.
     """
+    if config.link is None:
+        return _run_cases(config, log)
+    with link_lib.shaped_link(config.link) as prefix, procs.through_link(prefix):
+        log(f"[tfdp.bench] multi-worker cases run over a loopback shaped to {config.link} "
+            f"({' '.join(prefix)})")
+        return _run_cases(config, log)
+
+
+def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
     start = time.monotonic()
     results = {"machine": machine.describe(), "config": dataclasses.asdict(config)}
     cases: dict = {}
