@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 import keras
 import tensorflow as tf
 
-from tfdp.training import accumulation
+from tfdp.training import fit_compile
 from tfdp.training import checkpointing
 from tfdp.callbacks import BackupAndRestore
 from tfdp.training import lr_schedules
@@ -238,6 +238,7 @@ def train_and_evaluate(
             metrics=["accuracy"], model_dir=config.model_dir,
             steps_per_loop=config.steps_per_loop, checkpoint_every=config.checkpoint_every,
             jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
+            loss_normalization=config.loss_normalization,
         )
 
         result = trainer.train(dataset_for_epoch, epochs=config.epochs,
@@ -358,10 +359,11 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
               f"--steps_per_loop={config.steps_per_loop}, so that executions divide "
               f"--steps_per_epoch={config.steps_per_epoch} and --checkpoint_every="
               f"{config.checkpoint_every}.")
-    accumulation.compile(
+    fit_compile.compile(
         model, optimizer=optimizer, loss=loss, metrics=["accuracy"],
         accum_steps=batch.accum_steps, steps_per_execution=steps_per_execution,
         jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
+        loss_normalization=config.loss_normalization,
     )
     total_steps = config.epochs * steps_per_epoch
     if config.model_dir and _restore_finished_run(config, model, info, total_steps):

@@ -17,6 +17,9 @@ from tfdp.training import lr_schedules
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lars", "lamb")
 LOOPS = ("fit", "custom")
 MIXED_PRECISIONS = ("none", "mixed_float16", "mixed_bfloat16")
+#: `tfdp.training.loss_normalization.MODES`, repeated so that parsing flags
+#: does not import Keras (tests/app checks they agree).
+LOSS_NORMALIZATIONS = ("global", "per_replica")
 #: The global batch when neither --global_batch nor --per_replica_batch is given.
 DEFAULT_GLOBAL_BATCH = 64
 
@@ -53,7 +56,10 @@ class RunConfig:
         `tfdp.Trainer`), steps_per_loop (optimizer steps per `tf.function`
         call: `steps_per_execution` for fit), mixed_precision, jit_compile,
         all_reduce_dtype (None or "bfloat16": the dtype gradients are summed
-        over replicas in; `tfdp.distribute.reduction`),
+        over replicas in; `tfdp.distribute.reduction`), loss_normalization
+        ("global": the loss of the global batch as one device computes it;
+        "per_replica": each replica's mean, averaged, as stock Keras;
+        `tfdp.training.loss_normalization`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only).
     """
@@ -91,6 +97,7 @@ class RunConfig:
     mixed_precision: str = "none"
     jit_compile: bool = False
     all_reduce_dtype: str | None = None
+    loss_normalization: str = "global"
     model_dir: str | None = None
     checkpoint_every: int | None = None
 
@@ -113,6 +120,7 @@ class RunConfig:
         _choice("decay", self.decay, lr_schedules.DECAYS)
         _choice("loop", self.loop, LOOPS)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _choice("loss_normalization", self.loss_normalization, LOSS_NORMALIZATIONS)
         if self.all_reduce_dtype is not None:
             _choice("all_reduce_dtype", self.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES)
         for name in ("model", "dataset"):

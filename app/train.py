@@ -91,6 +91,10 @@ flags.DEFINE_bool("jit_compile", _D.jit_compile, "Compile the train step with XL
 flags.DEFINE_enum("all_reduce_dtype", _D.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES,
                   "Sum gradients over replicas in this dtype (half the bytes for bfloat16, "
                   "about 3 significant digits per sum); unset: in their own dtype.")
+flags.DEFINE_enum("loss_normalization", _D.loss_normalization, run_config.LOSS_NORMALIZATIONS,
+                  "global: the loss of the global batch as one device computes it (masks, "
+                  "weights, every reduction); per_replica: each replica's mean, averaged, as "
+                  "stock Keras.")
 flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard summaries and summary.json.")
 flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N optimizer steps (and at "
                      "the end).")

@@ -22,7 +22,9 @@ def summarize(runs: dict) -> dict:
         `{"status": "ok", "workers": {n: {"strategy", "rows": [{"path",
         "images_per_second", "median_images_per_second", "step_ms",
         "call_images_per_second", "call_overhead_ms", "vs_trainer",
-        "vs_loop_n"}]}}}`; throughputs are steady state (see
+        "vs_loop_n"}], "loss_counts_cost"}}}`; `loss_counts_cost` is
+        `tfdp_fit`'s step time ÷ `tfdp_fit_per_replica`'s − 1 (what the
+        global loss counts cost), None without both; throughputs are steady state (see
         `tfdp.bench.throughput.measure`), ratios of the best.
     """
     workers = {}
@@ -44,8 +46,13 @@ def summarize(runs: dict) -> dict:
                 "vs_loop_n": (row["images_per_second"] / paths["loop_n"]["images_per_second"]
                               if "loop_n" in paths else None),
             })
+        counts_cost = None
+        if "tfdp_fit" in paths and "tfdp_fit_per_replica" in paths:
+            counts_cost = (paths["tfdp_fit"]["step_ms"]
+                           / paths["tfdp_fit_per_replica"]["step_ms"] - 1.0)
         workers[n] = {
             "strategy": run["strategy"],
+            "loss_counts_cost": counts_cost,
             "global_batch": run["global_batch"],
             "input_images_per_second": paths.get("input", {}).get("images_per_second"),
             "rows": rows,

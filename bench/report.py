@@ -27,6 +27,7 @@ PATH_LABELS = {
     "keras_fit_n": "Keras fit (model.compile, steps_per_execution=N)",
     "tfdp_fit": "tfdp fit (tfdp.compile, steps_per_execution=N)",
     "tfdp_fit_bf16": "tfdp fit, gradients all-reduced in bfloat16",
+    "tfdp_fit_per_replica": "tfdp fit, per-replica loss (no global counts)",
     "trainer": "tfdp Trainer (steps_per_loop=N)",
     "loop_1": "hand-written loop, 1 step per call",
     "loop_n": "hand-written loop, N steps per call",
@@ -122,6 +123,10 @@ def _overhead(case) -> list[str]:
                 f"{_f(row['images_per_second'])} ({_f(row['median_images_per_second'])}) | "
                 f"{_f(row['vs_trainer'], 3)} | {_f(row['vs_loop_n'], 3)} | "
                 f"{_f(row['call_images_per_second'])} | {_f(row['call_overhead_ms'])} |")
+        if run.get("loss_counts_cost") is not None:
+            lines += ["", f"Global loss counts (one all-reduce of a few scalars per step): "
+                          f"tfdp fit's step time ÷ the per-replica loss's − 1 = "
+                          f"{_f(100 * run['loss_counts_cost'], 2, '%')}."]
         if run["input_images_per_second"]:
             lines += ["", f"Input alone (batches pulled from the distributed iterator, no "
                           f"training): {_f(run['input_images_per_second'])} img/s."]

@@ -23,6 +23,10 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
   an accuracy metric;
 - `tfdp_fit_bf16`: `tfdp_fit` with `all_reduce_dtype="bfloat16"` (gradients
   summed in bfloat16: half the bytes; `tfdp.distribute.reduction`);
+- `tfdp_fit_per_replica`: `tfdp_fit` with `loss_normalization="per_replica"`:
+  without the all-reduce of the loss's global counts that `tfdp_fit` runs
+  each step (`tfdp.training.loss_normalization`), so the two differ by its
+  cost;
 - `trainer`: `tfdp.Trainer(..., steps_per_loop=N)`, with an accuracy metric;
 - `loop_1`: a hand-written loop, one `strategy.run` step per `tf.function`
   call, no metrics;
@@ -46,7 +50,8 @@ import statistics
 import time
 from typing import Callable
 
-PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "trainer", "loop_1", "loop_n",
+PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica",
+         "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
 #: How the hand-written loops exchange gradients (see the module docstring).
@@ -97,8 +102,8 @@ def _optimizer(spec):
 
 
 def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution: int,
-                mark: Callable[[], None], all_reduce_dtype: str | None = None
-                ) -> Callable[[int], None]:
+                mark: Callable[[], None], all_reduce_dtype: str | None = None,
+                loss_normalization: str = "global") -> Callable[[int], None]:
     import keras
     import tfdp
     from tfdp.bench import workloads
@@ -108,7 +113,8 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
         arguments = dict(optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
                          steps_per_execution=steps_per_execution)
         if use_tfdp:
-            tfdp.compile(model, all_reduce_dtype=all_reduce_dtype, **arguments)
+            tfdp.compile(model, all_reduce_dtype=all_reduce_dtype,
+                         loss_normalization=loss_normalization, **arguments)
         else:
             model.compile(**arguments)
 
@@ -242,11 +248,12 @@ def _input_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
 
 
 def _runner(path, strategy, dataset, spec, mark):
-    if path in ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16"):
+    if path in ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica"):
         return _fit_runner(
             strategy, dataset, spec, use_tfdp=path.startswith("tfdp"), mark=mark,
             steps_per_execution=1 if path == "keras_fit" else spec["steps_per_execution"],
             all_reduce_dtype="bfloat16" if path == "tfdp_fit_bf16" else None,
+            loss_normalization="per_replica" if path == "tfdp_fit_per_replica" else "global",
         )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec, mark=mark)

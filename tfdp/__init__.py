@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "BatchConfig": "tfdp.training.batch",
-    "compile": "tfdp.training.accumulation",
+    "compile": "tfdp.training.fit_compile",
     "configure_cpu_devices": "tfdp.distribute.devices",
     "make_strategy": "tfdp.distribute.strategy",
     "scale_lr": "tfdp.training.lr_schedules",

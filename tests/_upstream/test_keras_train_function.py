@@ -85,7 +85,8 @@ class _CustomStep(keras.Sequential):
 
 def test_only_where_the_step_returns_the_metrics_and_several_steps_run():
     custom = _CustomStep([keras.Input((4,)), keras.layers.Dense(3)])
-    tfdp.compile(custom, optimizer="sgd", loss="mse", steps_per_execution=3)
+    tfdp.compile(custom, optimizer="sgd", loss="mse", steps_per_execution=3,
+                 loss_normalization="per_replica")
     assert "make_train_function" not in vars(custom)  # its logs are its own
     model = _model()
     tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)

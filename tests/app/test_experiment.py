@@ -65,7 +65,7 @@ def test_one_batch_config_flows_from_the_flags_to_the_data_and_the_training(
             seen["training"].append(batch)
             super().__init__(*args, batch=batch, **kwargs)
 
-    compile_ = experiment.accumulation.compile
+    compile_ = experiment.fit_compile.compile
 
     def recording_compile(model, *, accum_steps, **kwargs):
         seen["training"].append(accum_steps)
@@ -73,7 +73,7 @@ def test_one_batch_config_flows_from_the_flags_to_the_data_and_the_training(
 
     monkeypatch.setattr(pipelines, "make_dataset", recording_make_dataset)
     monkeypatch.setattr(experiment, "Trainer", RecordingTrainer)
-    monkeypatch.setattr(experiment.accumulation, "compile", recording_compile)
+    monkeypatch.setattr(experiment.fit_compile, "compile", recording_compile)
     config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, epochs=1,
                        steps_per_epoch=2, cpu_replicas=2, global_batch=32, accum_steps=2,
                        loop=loop, steps_per_loop=1)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfdp.app import experiment
+from tfdp.app import experiment, run_config
 from tfdp.app.run_config import ConfigError, RunConfig
 
 
@@ -25,6 +25,7 @@ def test_defaults_are_valid_and_default_the_global_batch():
         (dict(global_batch=64, loop="estimator"), "--loop must be one of fit, custom"),
         (dict(global_batch=64, mixed_precision="fp8"), "--mixed_precision must be one of"),
         (dict(all_reduce_dtype="float16"), "--all_reduce_dtype must be one of bfloat16"),
+        (dict(loss_normalization="mean"), "--loss_normalization must be one of global, per_replica"),
         (dict(global_batch=64, warmup_epochs=1.0, warmup_steps=10), "at most one of --warmup"),
         (dict(global_batch=64, warmup_epochs=20.0, epochs=10), "--warmup_epochs must be in"),
         (dict(global_batch=64, base_lr=0.0), "--base_lr must be > 0"),
@@ -106,3 +107,9 @@ def test_steps_per_execution_lets_the_backup_land_on_its_step(
 ):
     assert experiment.steps_per_execution_for(
         steps_per_loop, steps_per_epoch, checkpoint_every) == expected
+
+
+def test_loss_normalizations_are_the_library_s():
+    from tfdp.training import loss_normalization
+
+    assert run_config.LOSS_NORMALIZATIONS == loss_normalization.MODES

@@ -45,9 +45,10 @@ def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, arg
 def test_flags_map_onto_run_config(parse_flags):
     parse_flags("--model=mlp", "--per_replica_batch=16", "--accum_steps=2", "--optimizer=lars",
                 "--loop=custom", "--warmup_epochs=0.5", "--cpu_replicas=2",
-                "--all_reduce_dtype=bfloat16")
+                "--all_reduce_dtype=bfloat16", "--loss_normalization=per_replica")
     config = train_cli.config_from_flags()
     assert config.all_reduce_dtype == "bfloat16"
+    assert config.loss_normalization == "per_replica"
     assert (config.model, config.per_replica_batch, config.global_batch) == ("mlp", 16, None)
     assert (config.accum_steps, config.optimizer, config.loop) == (2, "lars", "custom")
     assert (config.warmup_epochs, config.cpu_replicas) == (0.5, 2)

@@ -33,7 +33,7 @@ def test_checking_a_name_reads_no_data_and_starts_no_runtime(tmp_path):
     # tfdp-train checks --dataset before it builds a MultiWorkerMirroredStrategy,
     # which must configure collective ops before TensorFlow initialises.
     code = (
-        "import pipelines\n"
+        "from tfdp import pipelines\n"
         "from tensorflow.python.eager import context\n"
         "for name in ('digits', 'mnist', 'cifar10:3.0.2', 'synthetic_images'):\n"
         "    pipelines.check_source_name(name)\n"

@@ -22,6 +22,10 @@ the global batches of `global_batches(0)`, one epoch:
   iteration, which that count must see;
 - `scratch_created`, `scratch_left`: temporary directories this worker
   created (non-chief checkpoint saves) and those still there at the end;
+- `lossform_<form>_<path>_*`: `loss_forms.MULTIWORKER_CELLS`, loss forms
+  whose replicas hold uneven valid counts and weights, through `tfdp.compile`
+  (with and without accumulation) and `tfdp.Trainer`: final weights and
+  logged loss;
 - `jit_error`: what `tfdp.compile(jit_compile=True)` raised: on CPU workers
   tfdp refuses it (TensorFlow has no XLA collectives on CPU).
 
@@ -364,6 +368,38 @@ def _record_scratch_directories(directory):
     return created
 
 
+def _loss_form_cases(tfdp, strategy):
+    """Every `loss_forms.MULTIWORKER_CELLS` cell on this worker: weights and logged loss."""
+    import keras
+    import loss_forms  # next to this script
+
+    results = {}
+    for form_name, path in loss_forms.MULTIWORKER_CELLS:
+        form = loss_forms.FORMS_BY_NAME[form_name]
+        accum_steps = 2 if path.endswith("accum2") else 1
+        with strategy.scope():
+            model = form.model()
+            optimizer = keras.optimizers.SGD(loss_forms.LEARNING_RATE)
+        if path.startswith("fit"):
+            with strategy.scope():
+                tfdp.compile(model, optimizer=optimizer, loss=form.loss(), accum_steps=accum_steps,
+                             **form.compile_kwargs)
+            history = model.fit(form.dataset(), epochs=1, verbose=0, **form.fit_kwargs())
+            loss_value = history.history["loss"][-1]
+        else:
+            trainer = tfdp.Trainer(
+                model, optimizer=optimizer, loss=form.loss(), strategy=strategy,
+                batch=tfdp.BatchConfig.from_global(loss_forms.GLOBAL_BATCH,
+                                                   strategy.num_replicas_in_sync, accum_steps),
+            )
+            loss_value = trainer.train(form.dataset(), steps=loss_forms.STEPS)["loss"]
+        key = f"lossform_{form_name}_{path}"
+        results[f"{key}_loss"] = float(loss_value)
+        for i, w in enumerate(loss_forms.weights(model)):
+            results[f"{key}_weight{i}"] = w
+    return results
+
+
 def main(out_dir: str) -> None:
     import tfdp
 
@@ -388,6 +424,7 @@ def main(out_dir: str) -> None:
     timed("mixed", _mixed_precision_cases, tfdp, strategy, counter)
     timed("control", _control_loop, strategy, counter)
     timed("trainer", _trainer_cases, tfdp, strategy, counter, out_dir)
+    timed("loss_forms", _loss_form_cases, tfdp, strategy)
     results["scratch_created"] = len(scratch)
     results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
     timed("jit", _jit_case, tfdp, strategy, counter)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
-from tfdp.training import accumulation
+from tfdp.training import fit_compile
 from strategy_testing import counting_mirrored_strategy
 
 FEATURES, CLASSES = 6, 3
@@ -37,7 +37,7 @@ def _fit(strategy, *, accum_steps, global_batch=GLOBAL_BATCH, steps=STEPS, regul
     x, y = _data(steps, global_batch)
     with strategy.scope():
         model = _model(regularized)
-        accumulation.compile(
+        fit_compile.compile(
             model,
             optimizer=keras.optimizers.SGD(learning_rate=0.5),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -118,11 +118,13 @@ def test_mixed_precision_accumulation_on_two_replicas_matches_one_device(mixed_p
                                    rtol=0, err_msg=variable.path)
 
 
-@pytest.mark.parametrize("accum_steps, expected_per_step", [(4, 1), (1, 1)])
-def test_one_all_reduce_per_optimizer_step(accum_steps, expected_per_step):
+@pytest.mark.parametrize("accum_steps", [4, 1])
+def test_one_gradient_all_reduce_per_optimizer_step(accum_steps):
+    # Per step: the gradients, and the loss's global counts
+    # (tfdp.training.loss_normalization), whatever accum_steps is.
     strategy, counter = counting_mirrored_strategy()
     _fit(strategy, accum_steps=accum_steps)
-    assert int(counter.numpy()) == expected_per_step * STEPS
+    assert int(counter.numpy()) == 2 * STEPS
 
 
 def test_the_counter_sees_per_micro_batch_all_reduces():
@@ -130,13 +132,13 @@ def test_the_counter_sees_per_micro_batch_all_reduces():
     # all-reduces once per micro-batch, and the counter must show it.
     strategy, counter = counting_mirrored_strategy()
     _fit(strategy, accum_steps=1, global_batch=GLOBAL_BATCH // 4, steps=STEPS * 4)
-    assert int(counter.numpy()) == 4 * STEPS
+    assert int(counter.numpy()) == 2 * 4 * STEPS
 
 
 def test_indivisible_static_replica_batch_names_the_fix():
     x, y = _data()
     model = _model()
-    accumulation.compile(model, optimizer="sgd", loss="sparse_categorical_crossentropy",
+    fit_compile.compile(model, optimizer="sgd", loss="sparse_categorical_crossentropy",
                          accum_steps=3)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)
     with pytest.raises(ValueError, match="drop_remainder=True") as error:
@@ -147,7 +149,7 @@ def test_indivisible_static_replica_batch_names_the_fix():
 def test_indivisible_final_batch_fails_at_run_time_with_the_fix():
     x, y = _data(steps=5)
     model = _model()
-    accumulation.compile(model, optimizer="sgd", loss="sparse_categorical_crossentropy",
+    fit_compile.compile(model, optimizer="sgd", loss="sparse_categorical_crossentropy",
                          accum_steps=4)
     # 130 examples in batches of 32: the last batch has 2, which 4 cannot split.
     dataset = tf.data.Dataset.from_tensor_slices((x[:130], y[:130])).batch(32)
@@ -158,21 +160,21 @@ def test_indivisible_final_batch_fails_at_run_time_with_the_fix():
 @pytest.mark.parametrize("accum_steps", [0, -1, 2.0, True])
 def test_bad_accum_steps(accum_steps):
     with pytest.raises(ValueError, match="`accum_steps` must be a positive integer"):
-        accumulation.compile(_model(), optimizer="sgd", loss="mse", accum_steps=accum_steps)
+        fit_compile.compile(_model(), optimizer="sgd", loss="mse", accum_steps=accum_steps)
 
 
 def test_keras_gradient_accumulation_is_refused_with_the_fix():
     optimizer = keras.optimizers.SGD(gradient_accumulation_steps=4)
     with pytest.raises(ValueError, match="accum_steps=4 to tfdp.compile"):
-        accumulation.compile(_model(), optimizer=optimizer, loss="mse")
+        fit_compile.compile(_model(), optimizer=optimizer, loss="mse")
 
 
-def test_recompiling_without_accumulation_restores_keras_train_step():
+def test_recompiling_replaces_the_step():
     model = _model()
-    accumulation.compile(model, optimizer="sgd", loss="mse", accum_steps=2)
-    assert "train_step" in vars(model)
-    accumulation.compile(model, optimizer="sgd", loss="mse", accum_steps=1)
-    assert "train_step" not in vars(model)
+    fit_compile.compile(model, optimizer="sgd", loss="mse", accum_steps=2)
+    assert model.train_step.args[2] == 2
+    fit_compile.compile(model, optimizer="sgd", loss="mse", accum_steps=1)
+    assert model.train_step.args[2] == 1
 
 
 def test_keras_own_accumulation_still_fails_under_mirrored_strategy():
@@ -193,7 +195,7 @@ def test_jit_compiled_accumulation_matches_one_device():
     reference, _, _ = _fit(tfdp.make_strategy("one_device"), accum_steps=1)
     x, y = _data()
     model = _model()
-    accumulation.compile(
+    fit_compile.compile(
         model, optimizer=keras.optimizers.SGD(learning_rate=0.5),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         accum_steps=4, jit_compile=True,
@@ -208,5 +210,5 @@ def test_jit_compile_on_several_cpu_replicas_is_refused():
     with strategy.scope():
         model = _model()
         with pytest.raises(ValueError, match="jit_compile=True cannot run on a MirroredStrategy"):
-            accumulation.compile(model, optimizer="sgd", loss="mse", accum_steps=2,
+            fit_compile.compile(model, optimizer="sgd", loss="mse", accum_steps=2,
                                  jit_compile=True)

@@ -18,6 +18,8 @@ import pytest
 import tensorflow as tf
 from multiworker import python_command, run_launch
 
+import loss_forms
+
 JOB_SCRIPT = Path(__file__).with_name("multiworker_training_job.py")
 _spec = importlib.util.spec_from_file_location("multiworker_training_job", JOB_SCRIPT)
 job = importlib.util.module_from_spec(_spec)
@@ -136,22 +138,37 @@ def test_mixed_precision_fit_on_two_workers_is_finite_and_matches_one_device(wor
                                       records[1][f"{policy}_weight{i}"])
 
 
+# Two all-reduces per optimizer step: the gradients, and the loss's global
+# counts (tfdp.training.loss_normalization), whatever accum_steps is.
 GRADIENT_ALL_REDUCES = {
-    "fit": job.STEPS_PER_EPOCH,  # accum_steps=2, steps_per_execution=2
-    "lars": job.STEPS_PER_EPOCH,
-    "lamb": job.STEPS_PER_EPOCH,
-    "warmup": job.STEPS_PER_EPOCH,  # accum_steps=4
-    "mixed_bfloat16": job.STEPS_PER_EPOCH,
-    "mixed_float16": job.STEPS_PER_EPOCH,
-    "trainer": job.TOTAL_STEPS,  # accum_steps=2, over both Trainers
+    "fit": 2 * job.STEPS_PER_EPOCH,  # accum_steps=2, steps_per_execution=2
+    "lars": 2 * job.STEPS_PER_EPOCH,
+    "lamb": 2 * job.STEPS_PER_EPOCH,
+    "warmup": 2 * job.STEPS_PER_EPOCH,  # accum_steps=4
+    "mixed_bfloat16": 2 * job.STEPS_PER_EPOCH,
+    "mixed_float16": 2 * job.STEPS_PER_EPOCH,
+    "trainer": 2 * job.TOTAL_STEPS,  # accum_steps=2, over both Trainers
 }
 
 
 @pytest.mark.parametrize("name", sorted(GRADIENT_ALL_REDUCES))
-def test_one_gradient_all_reduce_per_optimizer_step_on_two_workers(workers, name):
+def test_two_all_reduces_per_optimizer_step_on_two_workers(workers, name):
     _, records = workers
     for record in records:
         assert int(record[f"{name}_grad_allreduces"]) == GRADIENT_ALL_REDUCES[name]
+
+
+@pytest.mark.parametrize("form_name, path", loss_forms.MULTIWORKER_CELLS)
+def test_loss_forms_on_two_workers_equal_one_device(workers, form_name, path):
+    """Uneven masks and weights across the two workers: weights and loss as on one device."""
+    _, records = workers
+    form = loss_forms.FORMS_BY_NAME[form_name]
+    initial, expected, history = loss_forms.keras_one_device(form)
+    key = f"lossform_{form_name}_{path}"
+    for record in records:
+        final = [record[f"{key}_weight{i}"] for i in range(len(expected))]
+        assert loss_forms.relative_deviation(initial, expected, final) < 1e-5
+        np.testing.assert_allclose(float(record[f"{key}_loss"]), history["loss"][-1], rtol=1e-5)
 
 
 def test_the_all_reduce_counter_counts_every_loop_iteration(workers):
@@ -209,6 +226,10 @@ def test_evaluate_on_two_workers_is_exact(workers):
     logits = reference(x, training=False)
     accuracy = float(np.mean(np.argmax(logits, axis=1) == y))
     loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)))
+    # The loss is one device's `evaluate` on the same padded batches: Keras'
+    # default reduction divides by every example, zero-weight padding
+    # included, and the model's L2 penalty is added.
+    loss = loss * job.EVAL_EXAMPLES / job.EVAL_PADDED + float(sum(reference.losses))
     for record in records:
         assert float(record["eval_accuracy"]) == pytest.approx(accuracy, abs=1e-6)
         assert float(record["eval_loss"]) == pytest.approx(loss, rel=1e-5)

@@ -337,40 +337,56 @@ def test_chief_checkpoint_goes_to_model_dir(tmp_path):
     "accum_steps, global_batch",
     [(4, GLOBAL_BATCH), (1, GLOBAL_BATCH // 4)],  # the second: one step per micro-batch
 )
-def test_one_all_reduce_per_optimizer_step(accum_steps, global_batch):
+def test_one_gradient_all_reduce_per_optimizer_step(accum_steps, global_batch):
     strategy, counter = counting_mirrored_strategy()
     trainer = _trainer(strategy, accum_steps=accum_steps, global_batch=global_batch,
                        steps_per_loop=3)
     trainer.train(_global_batches(global_batch), epochs=1)
     steps = NUM_EXAMPLES // global_batch
     assert trainer.global_step == steps
-    # Counted at run time, once per all-reduce: 6 with accumulation, and 24
-    # when every micro-batch is an optimizer step of its own.
-    assert int(counter.numpy()) == steps
+    # Counted at run time, once per all-reduce, two per step (the gradients
+    # and the loss's global counts): 12 with accumulation, and 48 when every
+    # micro-batch is an optimizer step of its own.
+    assert int(counter.numpy()) == 2 * steps
     if global_batch == GLOBAL_BATCH:
         for want, got in zip(_keras_reference(epochs=1), trainer.model.weights):
             np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=0)
 
 
-def test_evaluate_ignores_zero_weight_padding_exactly():
+def test_evaluate_with_a_partial_last_batch_equals_one_device():
     x, y = _arrays(n=50)
     strategy = tfdp.make_strategy(cpu_replicas=2)
     trainer = _trainer(strategy)
-    # Reference: one device, every example once, no padding.
+    # Reference: one device, every example once.
     reference = keras.metrics.SparseCategoricalAccuracy()
     logits = trainer.model(x, training=False)
     reference.update_state(y, logits)
     reference_loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(
         y, logits, from_logits=True)))
-    # 50 examples padded to 64 = 4 global batches, padding weighted 0.
+    # 50 examples: 3 global batches of 16 and one of 2 (a replica's share of 1).
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    result = trainer.evaluate(dataset)
+    assert result["accuracy"] == pytest.approx(float(reference.result()), abs=1e-7)
+    assert result["loss"] == pytest.approx(reference_loss, rel=1e-6)
+
+
+def test_evaluate_counts_zero_weight_padding_as_one_device_does():
+    """Padding weighted 0 still counts in the default reduction's divisor, as on one device."""
+    x, y = _arrays(n=50)
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    trainer = _trainer(strategy)
     pad = 64 - 50
     xp = np.concatenate([x, np.zeros((pad, FEATURES), "float32")])
     yp = np.concatenate([y, np.zeros((pad,), "int32")])
     wp = np.concatenate([np.ones(50, "float32"), np.zeros(pad, "float32")])
     dataset = tf.data.Dataset.from_tensor_slices((xp, yp, wp)).batch(GLOBAL_BATCH)
+    one_device = _build(tf.distribute.get_strategy())
+    one_device.set_weights(trainer.model.get_weights())
+    one_device.compile(loss=_loss(), weighted_metrics=["accuracy"])
+    expected = one_device.evaluate(dataset, verbose=0, return_dict=True)
     result = trainer.evaluate(dataset)
-    assert result["accuracy"] == pytest.approx(float(reference.result()), abs=1e-7)
-    assert result["loss"] == pytest.approx(reference_loss, rel=1e-6)
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert result["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-7)
 
 
 def test_argument_errors(tmp_path):

@@ -1,45 +1,26 @@
 """The inner loop of `tfdp.Trainer`: one replica's train and eval step, and the `tf.function`s that run them.
 
 This module owns what happens inside a `tf.function` call (Orbit's
-`StandardTrainer.train_step` side): the per-example loss of any Keras loss,
-averaged over the global batch; micro-batches accumulated into one
-all-reduce (`tfdp.training.accumulation`); the optimizer step, skipped on
-every replica alike when not finite (`tfdp.training.nonfinite`); the loss and
-metric state; and a loop of `steps_per_loop` steps per call. Epochs,
+`StandardTrainer.train_step` side): the replica steps of
+`tfdp.training.train_step` (the loss of the global batch as one device
+computes it, micro-batches accumulated into one all-reduce, the optimizer
+step skipped on every replica alike when not finite); the loss and metric
+state; and a loop of `steps_per_loop` steps per call. Epochs,
 checkpoints, logging and resuming, the outer loop, are
 `tfdp.training.trainer`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
 
-from tfdp.training import accumulation
+from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import train_step as train_step_lib
 from tfdp.training.batch import BatchConfig
-
-
-def _per_example_loss_fn(loss) -> Callable[[Any, Any], tf.Tensor]:
-    """Turns a Keras loss (name, function or `Loss`) into y, y_pred -> [batch] losses."""
-    resolved = keras.losses.get(loss)
-    if resolved is None:
-        raise ValueError(f"`loss` must name or be a Keras loss. Received: loss={loss!r}")
-    if isinstance(resolved, keras.losses.Loss):
-        per_example = resolved.call  # unreduced, as Loss subclasses define it
-    else:
-        per_example = resolved
-
-    def fn(y, y_pred):
-        values = tf.convert_to_tensor(per_example(y, y_pred))
-        if values.shape.rank and values.shape.rank > 1:
-            # Keras' sum_over_batch_size averages over every element.
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-        return values
-
-    return fn
 
 
 _ACCURACY_FOR_LOSS = {
@@ -74,21 +55,28 @@ class ReplicaSteps:
         batch: the `BatchConfig` (global batch, replicas, accumulation).
         metrics: Keras metric names or instances.
         jit_compile: compile each step's `strategy.run` with XLA.
+        loss_normalization: `"global"` or `"per_replica"`
+            (`tfdp.training.loss_normalization`).
 
     Attributes:
-        train_loss, eval_loss: `keras.metrics.Mean` of the per-example loss.
+        train_loss, eval_loss: `keras.metrics.Mean` of the loss, as one device logs it.
         train_metrics, eval_metrics: the metrics, one set for each.
         train_loop: `tf.function` `(iterator, num_steps)`: `num_steps` train steps.
         eval_step: `tf.function` `(data)`: one evaluation step.
     """
 
     def __init__(self, *, model: keras.Model, optimizer, loss, strategy: tf.distribute.Strategy,
-                 batch: BatchConfig, metrics: Sequence[Any] | None, jit_compile: bool):
+                 batch: BatchConfig, metrics: Sequence[Any] | None, jit_compile: bool,
+                 loss_normalization: str = norm_lib.GLOBAL):
         self.model = model
         self.optimizer = optimizer
         self.strategy = strategy
         self.batch = batch
-        self._per_example_loss = _per_example_loss_fn(loss)
+        self._loss = norm_lib.SingleLoss(model, loss)
+        self._train_normalizer = norm_lib.Normalizer(
+            loss_normalization, batch.num_replicas, batch.accum_steps
+        )
+        self._eval_normalizer = norm_lib.Normalizer(loss_normalization, batch.num_replicas, 1)
         self.loss_name = _loss_name(loss)
         self._guard = nonfinite_lib.guard_of(optimizer)
         with strategy.scope():
@@ -127,38 +115,21 @@ class ReplicaSteps:
             )
         return metric
 
+    def _track(self, loss_metric, metrics, normalizer):
+        def track(share, loss, denominators, term_losses, x, y, y_pred, sample_weight):
+            del x, term_losses  # one loss term
+            normalizer.report(loss_metric, share, loss, denominators)
+            for metric in metrics:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+
+        return track
+
     def _replica_train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        variables = self.model.trainable_variables
-        global_batch = float(self.batch.global_batch)
-        # Regularisation: once per optimizer step in total, over every
-        # replica and micro-batch.
-        regularization_share = 1.0 / (self.batch.num_replicas * self.batch.accum_steps)
-
-        def micro_batch_loss(micro_batch):
-            mx, my, msw = micro_batch
-            y_pred = self.model(mx, training=True)
-            per_example = tf.cast(self._per_example_loss(my, y_pred), tf.float32)
-            weights = tf.ones_like(per_example) if msw is None else tf.cast(msw, tf.float32)
-            loss = tf.reduce_sum(per_example * weights) / global_batch
-            if self.model.losses:
-                loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * (
-                    regularization_share
-                )
-            self.train_loss.update_state(per_example, sample_weight=weights)
-            for metric in self.train_metrics:
-                metric.update_state(my, y_pred, sample_weight=msw)
-            if self._guard is not None:  # a non-finite loss makes a gradient NaN
-                loss = nonfinite_lib.fold_loss_into_gradients(loss, variables)
-            return self.optimizer.scale_loss(loss)
-
-        gradients = accumulation.sum_micro_batch_gradients(
-            (x, y, sample_weight), self.batch.accum_steps, variables, micro_batch_loss
+        train_step_lib.replica_train_step(
+            model=self.model, optimizer=self.optimizer, loss_source=self._loss,
+            normalizer=self._train_normalizer, accum_steps=self.batch.accum_steps, data=data,
+            track=self._track(self.train_loss, self.train_metrics, self._train_normalizer),
         )
-        # Losses are already divided by the global batch: the all-reduce SUM
-        # inside apply_gradients completes the mean. A non-finite step is
-        # skipped there, on every replica alike (tfdp.training.nonfinite).
-        self.optimizer.apply_gradients(zip(gradients, variables))
 
     def _step_fn(self, data):
         self.strategy.run(self._replica_train_step, args=(data,))
@@ -172,15 +143,10 @@ class ReplicaSteps:
             next(iterator)
 
     def _replica_eval_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self.model(x, training=False)
-        per_example = tf.cast(self._per_example_loss(y, y_pred), tf.float32)
-        weights = (
-            tf.ones_like(per_example) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        train_step_lib.replica_eval_step(
+            model=self.model, loss_source=self._loss, normalizer=self._eval_normalizer, data=data,
+            track=self._track(self.eval_loss, self.eval_metrics, self._eval_normalizer),
         )
-        self.eval_loss.update_state(per_example, sample_weight=weights)
-        for metric in self.eval_metrics:
-            metric.update_state(y, y_pred, sample_weight=sample_weight)
 
     def _eval_step_fn(self, data):
         self.strategy.run(self._replica_eval_step, args=(data,))

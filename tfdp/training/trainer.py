@@ -33,6 +33,7 @@ from absl import logging
 
 from tfdp import _checks
 from tfdp.training import checkpointing
+from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_steps
 from tfdp.training import step_monitor
@@ -91,8 +92,12 @@ class Trainer:
             `LossScaleOptimizer` whose replicas all skip a step when any
             replica's gradients overflow (`NonFiniteLossScaleOptimizer`, or
             `tfdp._upstream.loss_scale`'s with `nonfinite=None`).
-        loss: a Keras loss (name, function or `keras.losses.Loss`); its
-            per-example values are averaged over the global batch.
+        loss: a Keras loss (name, function or `keras.losses.Loss`, any
+            reduction but None). Its reduction, sample weights and the mask
+            on the predictions are honoured as `fit` honours them, and the
+            loss is that of one device on the global batch (see
+            `loss_normalization`); the model's `losses` (regularizers,
+            `add_loss`) are added once per step.
         strategy: the `tf.distribute.Strategy` to train under.
         batch: a `tfdp.BatchConfig`; `batch.num_replicas` must equal
             `strategy.num_replicas_in_sync`. The dataset yields global batches
@@ -121,6 +126,11 @@ class Trainer:
             their own dtype; `"bfloat16"` all-reduces half the bytes, each
             sum rounded to about 3 significant digits (`tfdp.distribute.reduction`).
             Not with `nonfinite=None`.
+        loss_normalization: `"global"` (default): the loss, its gradient
+            and the logged loss are one device's on the whole global batch,
+            for one all-reduce of a few scalars per step; `"per_replica"`:
+            each replica's mean, averaged, as stock Keras
+            (`tfdp.training.loss_normalization`).
 
     Raises:
         ValueError: an argument is invalid, the batch does not match the
@@ -145,7 +155,9 @@ class Trainer:
         max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
         save_on_sigterm: bool = True,
         all_reduce_dtype: str | None = None,
+        loss_normalization: str = "global",
     ):
+        norm_lib.check_mode(loss_normalization)
         if not isinstance(batch, BatchConfig):
             raise TypeError(
                 f"`batch` must be a tfdp.BatchConfig, e.g. tfdp.BatchConfig.from_global("
@@ -216,7 +228,7 @@ class Trainer:
         self.optimizer = optimizer
         self._steps = replica_steps.ReplicaSteps(
             model=model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
-            metrics=metrics, jit_compile=jit_compile,
+            metrics=metrics, jit_compile=jit_compile, loss_normalization=loss_normalization,
         )
         self._guard = nonfinite_lib.guard_of(optimizer)
         self._monitor = self._guard and step_monitor.StepMonitor(

@@ -1,0 +1,232 @@
+"""`tfdp.compile`: `model.compile` whose `fit` and `evaluate` equal one device, under any strategy.
+
+It installs tfdp's train and test steps (`tfdp.training.train_step`) on the
+model: the loss of the global batch as one device computes it
+(`tfdp.training.loss_normalization`), gradient accumulation with one
+all-reduce per global batch (`tfdp.training.accumulation`), non-finite steps
+skipped on every replica alike (`tfdp.training.nonfinite`), and with
+`steps_per_execution > 1` logs reduced once per execution
+(`tfdp._upstream.keras_train_function`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+
+from tfdp import _checks
+from tfdp._upstream import keras_loss_terms
+from tfdp._upstream import keras_train_function
+from tfdp.distribute import devices
+from tfdp.distribute import strategy_info as strategy_info_lib
+from tfdp.training import loss_normalization as norm_lib
+from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import step_monitor
+from tfdp.training import train_step as train_step_lib
+
+
+def _overrides(model: keras.Model, name: str) -> bool:
+    return getattr(type(model), name) is not getattr(keras.Model, name)
+
+
+def _check_model(model: keras.Model, loss_normalization: str, accum_steps: int) -> bool:
+    """Whether tfdp's steps can replace the model's; raises where the result would differ silently."""
+    custom = [name for name in ("train_step", "compute_loss") if _overrides(model, name)]
+    if not custom:
+        return True
+    if loss_normalization == norm_lib.PER_REPLICA and accum_steps == 1:
+        return False  # the model's own steps, with Keras' per-replica loss
+    what = " and ".join(f"`{name}`" for name in custom)
+    raise ValueError(
+        f"{type(model).__name__} overrides {what}, so tfdp cannot "
+        + ("accumulate gradients through it" if accum_steps > 1 else
+           "compute its loss over the global batch")
+        + ": its loss would be each replica's mean, averaged (wrong under masks, "
+        "uneven sample weights or a loss that returns one scalar). Give the loss to "
+        "tfdp.compile(loss=...) and drop the override, or pass "
+        "loss_normalization='per_replica'"
+        + (" and accum_steps=1" if accum_steps > 1 else "")
+        + " to keep Keras' per-replica loss."
+    )
+
+
+def _fit_track(model: keras.Model, normalizer: norm_lib.Normalizer):
+    tracker = keras_loss_terms.loss_tracker(model)
+
+    def track(share, loss, denominators, term_losses, x, y, y_pred, sample_weight):
+        normalizer.report(tracker, share, loss, denominators, term_losses)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return track
+
+
+def fit_train_step(model: keras.Model, normalizer: norm_lib.Normalizer, accum_steps: int, data):
+    """`model.train_step` under `tfdp.compile`: one replica, one global batch."""
+    train_step_lib.replica_train_step(
+        model=model, optimizer=model.optimizer, loss_source=norm_lib.ModelLoss(model),
+        normalizer=normalizer, accum_steps=accum_steps, data=data,
+        track=_fit_track(model, normalizer),
+    )
+    return model.get_metrics_result()
+
+
+def fit_test_step(model: keras.Model, normalizer: norm_lib.Normalizer, data):
+    """`model.test_step` under `tfdp.compile`: the loss and metrics of one global batch."""
+    train_step_lib.replica_eval_step(
+        model=model, loss_source=norm_lib.ModelLoss(model), normalizer=normalizer, data=data,
+        track=_fit_track(model, normalizer),
+    )
+    return model.get_metrics_result()
+
+
+def compile(  # pylint: disable=redefined-builtin
+    model: keras.Model,
+    *,
+    optimizer,
+    loss,
+    metrics=None,
+    accum_steps: int = 1,
+    steps_per_execution: int = 1,
+    jit_compile: bool = False,
+    nonfinite: str | None = "skip",
+    max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
+    all_reduce_dtype: str | None = None,
+    loss_normalization: str = "global",
+    **compile_kwargs,
+) -> keras.Model:
+    """`model.compile` whose `fit` and `evaluate` give one device's result, under any strategy.
+
+    After it, plain `model.fit` trains with one optimizer step (and one
+    gradient all-reduce) per global batch; each replica's share of the global
+    batch is processed in `accum_steps` micro-batches. Call it inside
+    `strategy.scope()` as you would `model.compile`.
+
+    **Loss normalisation.** With `loss_normalization="global"` (the default)
+    the loss, its gradient and the logged `loss` (and `<output>_loss`) are
+    those of one device on the whole global batch, whatever the replicas and
+    micro-batches hold: every reduction, sample and class weights, masks
+    (`Masking`, `Embedding(mask_zero=True)`), several outputs with
+    `loss_weights`, `add_loss` and regularizers. It costs one all-reduce of a
+    few float32 scalars per step (`tfdp.training.loss_normalization`). A loss
+    function that returns one scalar is weighted by its examples, with a
+    warning. `"per_replica"` averages each replica's own mean, as stock
+    Keras does for `Loss` objects.
+
+    **Non-finite steps.** With `nonfinite="skip"` (the default) the optimizer
+    is wrapped (`tfdp.training.nonfinite.NonFiniteGuard`, or
+    `NonFiniteLossScaleOptimizer` under `mixed_float16`): a step whose
+    gradients (with `accum_steps > 1`, also loss) hold a NaN or Inf on any
+    replica is skipped by every replica and worker alike, leaving weights,
+    slots and `model.optimizer.iterations` unchanged, and counted in
+    `model.optimizer.skipped_steps` (checkpointed with the optimizer). After
+    `max_consecutive_nonfinite` in a row, `fit` raises
+    `tfdp.training.nonfinite.NonFiniteError`. `"raise"` raises at the first (never
+    applying it); `None` keeps Keras' behaviour. Keras still logs the loss of
+    a skipped step (NaN) in the epoch's mean, what the forward pass updates
+    (BatchNormalization moving statistics) is not undone, and
+    `BackupAndRestore` counts it as a step (its position is in batches).
+
+    Args:
+        model: the Keras model.
+        optimizer: a Keras optimizer instance or name. Must not set Keras'
+            own `gradient_accumulation_steps` (use `accum_steps`).
+        loss: the loss, as for `model.compile`.
+        metrics: metrics, as for `model.compile`. Defaults to `None`.
+        accum_steps: micro-batches per optimizer step; a replica's batch
+            must be a multiple of it. Defaults to 1 (plain Keras train step).
+        steps_per_execution: optimizer steps per `tf.function` call. Defaults
+            to 1.
+        jit_compile: compile the train step with XLA. Defaults to `False`.
+        nonfinite: `"skip"`, `"raise"` or `None` (see above). Defaults to
+            `"skip"`.
+        max_consecutive_nonfinite: with `"skip"`, stop after this many
+            skipped steps in a row. Defaults to 10.
+        all_reduce_dtype: `None` (default) sums gradients over replicas in
+            their own dtype; `"bfloat16"` all-reduces half the bytes, each
+            sum rounded to about 3 significant digits (`tfdp.distribute.reduction`).
+            Not with `nonfinite=None`.
+        loss_normalization: `"global"` (default) or `"per_replica"` (see
+            above).
+        **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
+
+    Returns:
+        `model`, compiled.
+
+    Raises:
+        ValueError: `accum_steps` or `steps_per_execution` is not a positive
+            integer, `nonfinite` or `max_consecutive_nonfinite` is invalid,
+            the optimizer sets `gradient_accumulation_steps`, or
+            `jit_compile=True` under a strategy where XLA cannot run (see
+            `tfdp.distribute.devices.check_jit_compile_supported`), a
+            `Loss` has `reduction=None`, or the model overrides `train_step`
+            or `compute_loss` where tfdp's steps must replace them (the
+            message says what to write instead).
+    """
+    _checks.check_int("accum_steps", accum_steps, hint=" (1 means no accumulation)")
+    if (
+        isinstance(steps_per_execution, bool)
+        or not isinstance(steps_per_execution, int)
+        or steps_per_execution < 1
+    ):
+        raise ValueError(
+            "`steps_per_execution` must be a positive integer. "
+            f"Received: steps_per_execution={steps_per_execution!r}"
+        )
+    nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
+    norm_lib.check_mode(loss_normalization)
+    norm_lib.check_loss(loss)
+    tfdp_steps = _check_model(model, loss_normalization, accum_steps)
+    keras_loss_terms.warn_if_unsupported()
+    if jit_compile:
+        devices.check_jit_compile_supported(model.distribute_strategy)
+    keras_accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
+    if keras_accumulation:
+        raise ValueError(
+            "The optimizer sets Keras' own `gradient_accumulation_steps="
+            f"{keras_accumulation}`, which fails under tf.distribute strategies "
+            "(keras-team/keras#20582). Remove it from the optimizer and pass "
+            f"accum_steps={keras_accumulation} to tfdp.compile instead."
+        )
+    loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
+        "auto_scale_loss", True
+    )
+    if loss_scaling or nonfinite is not None or all_reduce_dtype is not None:
+        # Under mixed_float16, what Keras' compile would do, with replicas
+        # that agree on skipping an overflowing step (tfdp._upstream.loss_scale).
+        optimizer = nonfinite_lib.wrap_optimizer(
+            optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
+            loss_scaling=loss_scaling, all_reduce_dtype=all_reduce_dtype,
+        )
+    model.compile(
+        optimizer=optimizer,
+        loss=loss,
+        metrics=metrics,
+        steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile,
+        **compile_kwargs,
+    )
+    for name in ("train_step", "test_step"):
+        if name in vars(model):
+            delattr(model, name)  # an earlier tfdp.compile's
+    if tfdp_steps:
+        # Instance attributes shadow Model.train_step / test_step; Keras looks
+        # them up on the instance each time it builds its functions.
+        num_replicas = model.distribute_strategy.num_replicas_in_sync
+        model.train_step = functools.partial(
+            fit_train_step, model,
+            norm_lib.Normalizer(loss_normalization, num_replicas, accum_steps), accum_steps,
+        )
+        model.test_step = functools.partial(
+            fit_test_step, model, norm_lib.Normalizer(loss_normalization, num_replicas, 1)
+        )
+    # steps_per_execution > 1: reduce the logs once per execution, not per step.
+    keras_train_function.install(model, tfdp_step=tfdp_steps)
+    if nonfinite_lib.guard_of(model.optimizer) is not None:
+        # After every execution: log skips, stop at the limit.
+        step_monitor.install_fit_check(
+            model, log=strategy_info_lib.strategy_info(model.distribute_strategy).is_chief
+        )
+    model.tfdp_accum_steps = accum_steps
+    model.tfdp_loss_normalization = loss_normalization
+    return model
