@@ -54,6 +54,25 @@ def test_bfloat16_sums_are_rounded_and_come_back_in_float32():
     np.testing.assert_array_equal(compressed[2].numpy(), [0.75])  # representable: exact
 
 
+def test_exact_tensors_ride_in_the_same_all_reduce_in_their_own_dtype():
+    """`exact=` (e.g. a count) is summed in float32 even when the gradients go in bfloat16."""
+    strategy, counter = counting_mirrored_strategy()
+
+    def replica_fn():
+        context = tf.distribute.get_replica_context()
+        index = tf.cast(context.replica_id_in_sync_group, tf.float32)
+        gradients = [tf.fill([3], NOT_IN_BFLOAT16)]
+        count = tf.reshape(NOT_IN_BFLOAT16 + index, [1])  # 1 + 2**-10, then 2 + 2**-10
+        return reduction.all_reduce_sum(context, gradients, "bfloat16", exact=[count])
+
+    (gradient,), (count,) = strategy.run(replica_fn)
+    np.testing.assert_array_equal(strategy.experimental_local_results(gradient)[0].numpy(),
+                                  [2.0] * 3)
+    np.testing.assert_array_equal(strategy.experimental_local_results(count)[0].numpy(),
+                                  [3.0 + 2.0**-9])
+    assert int(counter.numpy()) == 1
+
+
 def test_inf_and_nan_survive_the_bfloat16_round_trip():
     replica_0 = [np.array([np.inf, 1.0, np.nan], "float32")]
     replica_1 = [np.array([1.0, 1.0, 1.0], "float32")]

@@ -16,6 +16,7 @@ import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
 import pytest
 
 import loss_forms
@@ -260,11 +261,47 @@ def test_bad_loss_normalization(two_replicas):
         tfdp.compile(model, optimizer="sgd", loss="mse", loss_normalization="mean")
 
 
-@pytest.mark.parametrize("loss_normalization, per_step", [("global", 2), ("per_replica", 1)])
+@pytest.mark.parametrize("form_name, loss_normalization, per_step", [
+    ("masking_layer", "global", 2),  # counts need the mask: one all-reduce of them
+    ("mean_with_sample_weight", "global", 2),  # counts are weight sums
+    ("mse_object", "global", 1),  # static batch, no mask: the counts are constants
+    ("masking_layer", "per_replica", 1),
+])
 @pytest.mark.parametrize("accum_steps", [1, 2])
-def test_one_count_all_reduce_per_step(loss_normalization, per_step, accum_steps):
-    """Global counts cost one all-reduce per optimizer step (beside the gradients'), accumulation or not."""
+def test_count_all_reduces_per_step(form_name, loss_normalization, per_step, accum_steps):
+    """At most one all-reduce of counts per optimizer step (beside the gradients'), accumulation or not."""
     strategy, counter = counting_mirrored_strategy()
-    run_fit(FORMS_BY_NAME["masking_layer"], strategy, accum_steps=accum_steps,
+    run_fit(FORMS_BY_NAME[form_name], strategy, accum_steps=accum_steps,
             loss_normalization=loss_normalization)
     assert int(counter.numpy()) == per_step * loss_forms.STEPS
+
+
+@pytest.mark.parametrize("form_name", ["mse_object", "scalar_function", "regularizers_add_loss"])
+def test_unknown_batch_split_unevenly_over_replicas_equals_one_device(form_name, two_replicas):
+    """Without a static batch the examples ride in the gradients' all-reduce.
+
+    45 examples in batches of 16: the last global batch (13) gives the two
+    replicas 7 and 6 examples, so a replica's estimate of the global examples
+    (its own × 2) is wrong for that step and the optimizer must correct it.
+    Also checks the deferred path adds no all-reduce of its own.
+    """
+    form = FORMS_BY_NAME[form_name]
+    x, y = form.data()
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x[:45], y[:45])).batch(GLOBAL_BATCH)
+
+    one = form.model()
+    initial = loss_forms.weights(one)
+    one.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=form.loss())
+    history = one.fit(dataset(), epochs=1, verbose=0).history
+    strategy, counter = counting_mirrored_strategy()
+    with strategy.scope():
+        model = form.model()
+        tfdp.compile(model, optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=form.loss())
+    tfdp_history = model.fit(dataset(), epochs=1, verbose=0).history
+    deviation = loss_forms.relative_deviation(initial, loss_forms.weights(one),
+                                              loss_forms.weights(model))
+    assert deviation < TOLERANCE, f"weights off by {deviation:.2e} of the update"
+    np.testing.assert_allclose(tfdp_history["loss"][-1], history["loss"][-1], rtol=TOLERANCE)
+    assert int(counter.numpy()) == 3  # one all-reduce per step: the gradients'

@@ -49,7 +49,8 @@ SUM = "sum"  # divided by nothing
 COUNT = "count"  # divided by a count of elements or of sample weight
 EXAMPLES = "examples"  # a scalar: weighted by the examples it was computed on
 
-SplitLoss = collections.namedtuple("SplitLoss", ["numerator", "count", "kind"])
+SplitLoss = collections.namedtuple("SplitLoss", ["numerator", "count", "kind", "per_example"],
+                                   defaults=[None])
 SplitLoss.__doc__ = """One loss on one (micro-)batch, as a numerator and what divides it.
 
 Attributes:
@@ -58,6 +59,9 @@ Attributes:
     count: float32 scalar; what one device divides the numerator by (1 for
         kind `SUM`).
     kind: `SUM`, `COUNT` or `EXAMPLES`.
+    per_example: a Python float when the count is the examples times a
+        number known when tracing (the values per example, for a mean with
+        no mask; 1 for `EXAMPLES`), else None.
 """
 
 LossTerm = collections.namedtuple("LossTerm", ["path", "loss", "weight", "metric"])
@@ -163,20 +167,23 @@ def split_loss(loss: keras.losses.Loss, y_true, y_pred, sample_weight=None) -> S
     reduction = loss.reduction
     if values.shape.rank == 0:
         examples = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], tf.float32)
-        return SplitLoss(tf.cast(values, tf.float32) * examples, examples, EXAMPLES)
+        return SplitLoss(tf.cast(values, tf.float32) * examples, examples, EXAMPLES, 1.0)
     numerator = tf.reduce_sum(tf.cast(values, tf.float32))
     if reduction == "sum":
         return SplitLoss(numerator, tf.constant(1.0), SUM)
     if reduction == "mean_with_sample_weight" and weight is not None:
         return SplitLoss(numerator, tf.reduce_sum(tf.cast(weight, tf.float32)), COUNT)
     count = _count(values)
+    per_example = None
+    if mask is None and values.shape.rank and values.shape[1:].is_fully_defined():
+        per_example = float(values.shape[1:].num_elements())
     if mask is not None:
         # apply_mask weighs the valid entries by total / valid, then the mean
         # divides by the number of values: numerator / (valid · values / total).
         total = _count(mask)
         valid = tf.reduce_sum(tf.cast(mask, tf.float32))
         count = tf.math.divide_no_nan(valid * count, total)
-    return SplitLoss(numerator, count, COUNT)
+    return SplitLoss(numerator, count, COUNT, per_example)
 
 
 def resolve_loss(identifier, y_true, y_pred) -> keras.losses.Loss:

@@ -60,7 +60,8 @@ def all_reduce_sum(
     context: tf.distribute.ReplicaContext,
     gradients: Sequence[tf.Tensor | tf.IndexedSlices | None],
     all_reduce_dtype: str | None = None,
-) -> list[tf.Tensor | tf.IndexedSlices | None]:
+    exact: Sequence[tf.Tensor] = (),
+):
     """Sums `gradients` over all replicas in one batched all-reduce.
 
     Args:
@@ -70,25 +71,30 @@ def all_reduce_sum(
         all_reduce_dtype: `None` (each gradient is summed in its own dtype)
             or `"bfloat16"`: float32 and float64 gradients are summed in
             bfloat16 and cast back; other dtypes are summed as they are.
+        exact: more tensors (e.g. a count) summed in the same all-reduce,
+            always in their own dtype.
 
     Returns:
         The summed gradients, each in its original dtype, `None` where a
-        gradient was `None`.
+        gradient was `None`; with `exact`, `(gradients, exact sums)`.
 
     Raises:
         ValueError: `all_reduce_dtype` is not a supported value.
     """
     check_all_reduce_dtype(all_reduce_dtype)
-    if all_reduce_dtype is None:
-        return keras_optimizer_reduction.all_reduce_sum(context, gradients)
-    dtype = tf.as_dtype(all_reduce_dtype)
     originals = [None if g is None else _dtype(g) for g in gradients]
-    compressed = [
-        g if g is None or original not in _WIDER_THAN_BFLOAT16 else _cast(g, dtype)
-        for g, original in zip(gradients, originals)
-    ]
-    summed = keras_optimizer_reduction.all_reduce_sum(context, compressed)
-    return [
+    if all_reduce_dtype is None:
+        compressed = list(gradients)
+    else:
+        dtype = tf.as_dtype(all_reduce_dtype)
+        compressed = [
+            g if g is None or original not in _WIDER_THAN_BFLOAT16 else _cast(g, dtype)
+            for g, original in zip(gradients, originals)
+        ]
+    summed = keras_optimizer_reduction.all_reduce_sum(context, compressed + list(exact))
+    summed, exact_sums = summed[:len(gradients)], summed[len(gradients):]
+    summed = [
         g if g is None or _dtype(g) == original else _cast(g, original)
         for g, original in zip(summed, originals)
     ]
+    return (summed, exact_sums) if exact else summed

@@ -107,8 +107,10 @@ def compile(  # pylint: disable=redefined-builtin
     those of one device on the whole global batch, whatever the replicas and
     micro-batches hold: every reduction, sample and class weights, masks
     (`Masking`, `Embedding(mask_zero=True)`), several outputs with
-    `loss_weights`, `add_loss` and regularizers. It costs one all-reduce of a
-    few float32 scalars per step (`tfdp.training.loss_normalization`). A loss
+    `loss_weights`, `add_loss` and regularizers. With a static batch and no
+    mask it costs nothing; with an unknown batch size one float32 in the
+    gradients' all-reduce; under masks and weight sums one all-reduce of a few
+    float32 scalars per step (`tfdp.training.loss_normalization`). A loss
     function that returns one scalar is weighted by its examples, with a
     warning. `"per_replica"` averages each replica's own mean, as stock
     Keras does for `Loss` objects.

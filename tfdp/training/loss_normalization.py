@@ -140,8 +140,13 @@ class ModelLoss:
     def __init__(self, model: keras.Model):
         self.model = model
 
-    def share(self, x, y, y_pred, sample_weight) -> Share:
-        """Splits the compiled loss of one (micro-)batch; call after the forward pass."""
+    def share(self, x, y, y_pred, sample_weight, *, counting: bool = False) -> Share:
+        """Splits the compiled loss of one (micro-)batch.
+
+        Call after the forward pass, or with `counting=True` (for the counts
+        only) on stand-in predictions: then `model.losses`, which belong to
+        the last forward pass, are not read.
+        """
         terms, y = keras_loss_terms.compiled_terms(self.model, y, y_pred)
         splits = []
         for term in terms:
@@ -154,10 +159,9 @@ class ModelLoss:
             if split.kind == keras_loss_terms.EXAMPLES:
                 _warn_scalar(term.loss)
             splits.append(split)
-        return Share(
-            splits, [t.weight for t in terms], [t.metric for t in terms],
-            _additional_losses(self.model), _examples(x),
-        )
+        additional = tf.constant(0.0) if counting else _additional_losses(self.model)
+        return Share(splits, [t.weight for t in terms], [t.metric for t in terms], additional,
+                     _examples(x))
 
 
 class SingleLoss:
@@ -178,12 +182,14 @@ class SingleLoss:
             self._loss = keras_loss_terms.resolve_loss(self.identifier, y, y_pred)
         return self._loss
 
-    def share(self, x, y, y_pred, sample_weight) -> Share:
+    def share(self, x, y, y_pred, sample_weight, *, counting: bool = False) -> Share:
+        """As `ModelLoss.share`."""
         loss = self.resolved(y, y_pred)
         split = keras_loss_terms.split_loss(loss, y, y_pred, sample_weight)
         if split.kind == keras_loss_terms.EXAMPLES:
             _warn_scalar(loss)
-        return Share([split], [None], [None], _additional_losses(self.model), _examples(x))
+        additional = tf.constant(0.0) if counting else _additional_losses(self.model)
+        return Share([split], [None], [None], additional, _examples(x))
 
 
 class Normalizer:
@@ -218,6 +224,56 @@ class Normalizer:
         if context is None or context.num_replicas_in_sync == 1:
             return local_counts
         return context.all_reduce(tf.distribute.ReduceOp.SUM, local_counts)
+
+    @staticmethod
+    def _per_example(share: Share, allow_sum: bool) -> list[float] | None:
+        per = []
+        for split in share.splits:
+            if split.kind == keras_loss_terms.SUM:
+                if not allow_sum:
+                    return None
+                per.append(1.0)
+            elif split.per_example is None:
+                return None
+            else:
+                per.append(split.per_example)
+        return per
+
+    def static_global_counts(self, share: Share, examples: int | None) -> tf.Tensor | None:
+        """The global counts when they follow from static shapes alone, else None.
+
+        With a static batch dimension every replica and micro-batch holds
+        `examples` examples (tf.distribute splits a `drop_remainder` global
+        batch evenly), so when each count is the examples times a constant
+        known when tracing (a mean with no mask and no
+        `"mean_with_sample_weight"` weights, a scalar), the global counts
+        are constants and need no all-reduce.
+
+        Args:
+            share: a share of one micro-batch (or the replica batch).
+            examples: its static number of examples, or None if dynamic.
+        """
+        if not self.is_global or examples is None:
+            return None
+        per = self._per_example(share, allow_sum=True)
+        if per is None:
+            return None
+        total = float(examples) * self.num_shares
+        return tf.constant([total * p for p in per] + [total], tf.float32)
+
+    def deferred_counts(self, share: Share) -> tf.Tensor | None:
+        """Counts per global example, when every count is the examples times a constant, else None.
+
+        Each is the global count divided by the global examples N. The
+        caller multiplies them by an estimate of N; the optimizer corrects
+        the estimate and divides by the true N, which it sums in the
+        gradients' own all-reduce (`NonFiniteGuard.dividing_by_global`). A
+        `"sum"` term, which N must not divide, rules it out.
+        """
+        if not self.is_global:
+            return None
+        per = self._per_example(share, allow_sum=False)
+        return None if per is None else tf.constant(per + [1.0], tf.float32)
 
     def denominators(self, share: Share, global_counts: tf.Tensor | None) -> tf.Tensor:
         """What divides each numerator of `share`: the global counts, or per replica its own × shares."""

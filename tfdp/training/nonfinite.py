@@ -43,6 +43,8 @@ replica's share as Keras' own `apply` under a strategy does.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Sequence
 
@@ -124,6 +126,34 @@ class _SkipNonFinite:
     """
 
     all_reduce_dtype: str | None = None
+    _pending_divisor = None
+
+    #: `dividing_by_global` may be used (tfdp.training.train_step checks this).
+    accepts_global_divisor = True
+
+    @contextlib.contextmanager
+    def dividing_by_global(self, local_divisor: tf.Tensor, local_scale: tf.Tensor):
+        """Within it, `apply` rescales each replica's gradients and divides their sum by a global divisor.
+
+        Each replica's gradients are multiplied by `local_scale`, summed, and
+        divided by `local_divisor` summed over replicas, which rides in the
+        gradients' own all-reduce (exactly, in float32): a loss whose global
+        normaliser is not known before the backward pass
+        (`tfdp.training.loss_normalization`) costs no extra collective, and
+        its backward pass runs at the loss's usual magnitude (what float16
+        needs). Used at trace time, around `apply_gradients`.
+
+        Args:
+            local_divisor: float32 scalar, this replica's share of the
+                divisor (e.g. its examples).
+            local_scale: float32 scalar the replica's gradients are
+                multiplied by first (what its loss was divided by).
+        """
+        self._pending_divisor = (local_divisor, local_scale)
+        try:
+            yield
+        finally:
+            self._pending_divisor = None
 
     def _build_counters(self) -> None:
         # aggregation="none": every replica computes the same value, and each
@@ -162,8 +192,19 @@ class _SkipNonFinite:
         if context is None:
             raise ValueError(f"{type(self).__name__}.apply() must be called in a replica context.")
         reduced = context.num_replicas_in_sync > 1
-        if reduced:
+        divisor = self._pending_divisor
+        if divisor is not None:
+            divisor, scale = divisor
+            divisor = tf.reshape(tf.cast(divisor, tf.float32), [1])
+            grads = [_divide(g, 1.0 / tf.cast(scale, tf.float32)) for g in grads]
+        if reduced and divisor is not None:
+            grads, (divisor,) = reduction.all_reduce_sum(
+                context, grads, self.all_reduce_dtype, exact=[divisor]
+            )
+        elif reduced:
             grads = reduction.all_reduce_sum(context, grads, self.all_reduce_dtype)
+        if divisor is not None:
+            grads = [_divide(g, tf.math.maximum(divisor[0], 1e-30)) for g in grads]
         # The same value on every replica and worker: computed from the same sums.
         proceed = tf.logical_and(_all_finite(grads), tf.logical_not(self._exhausted()))
 

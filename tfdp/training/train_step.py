@@ -7,10 +7,20 @@
 2. with `"global"` loss normalisation, counts what one device divides the
    loss by (examples, valid mask elements, sample-weight sums;
    `tfdp.training.loss_normalization`) and sums the counts over the replicas
-   with one small all-reduce. With accumulation, the counts of all
-   micro-batches are taken first (a cheap pass: the forward pass runs only
-   when the predictions may carry a mask), so every micro-batch is
-   normalised by the counts of the whole global batch;
+   with one small all-reduce. The counts depend on the predictions only
+   through their static shapes unless the model may put a mask on them, so
+   they are usually taken before the forward pass (from zeros of the
+   predictions' shape). With a static batch (`drop_remainder`) and counts
+   that follow from it (no mask, no `"mean_with_sample_weight"` weights),
+   they are constants and nothing is all-reduced. When every count is the
+   examples times a constant but the batch is dynamic (as under
+   MultiWorkerMirroredStrategy), the global examples ride in the gradients'
+   own all-reduce and divide the summed gradients (deferred). Otherwise (a
+   mask, weight sums) one small all-reduce of the counts, after the forward
+   pass under a mask. With accumulation, the
+   counts of all micro-batches are taken first (with a mask, from a forward
+   pass in inference mode), so every micro-batch is normalised by the counts
+   of the whole global batch;
 3. runs forward and backward on each micro-batch in turn
    (`tfdp.training.accumulation`), summing gradients locally;
 4. applies the summed gradients once: one gradient all-reduce and one
@@ -61,32 +71,87 @@ def _static_predictions(model: keras.Model, x):
     return tf.nest.pack_sequence_as(outputs, zeros)
 
 
-def _predictions_for_counts(model: keras.Model):
-    """Maps x to predictions good enough to count with: zeros of the right shape unless masks matter."""
-    needs_forward = keras_loss_terms.may_produce_mask(model)
+def _counting_predictions(model: keras.Model, x):
+    """Zeros shaped like the predictions for `x` when the counts need no forward pass, else None.
 
-    def predict(x):
-        if not needs_forward:
-            zeros = _static_predictions(model, x)
-            if zeros is not None:
-                return zeros
-        return _forward(model, x, training=False)
-
-    return predict
+    Counts depend on the predictions only through their shapes, unless the
+    model may put a Keras mask on them.
+    """
+    if keras_loss_terms.may_produce_mask(model):
+        return None
+    return _static_predictions(model, x)
 
 
-def global_micro_batch_counts(model, loss_source, normalizer, micro_batches, accum_steps):
-    """The counts of the whole global batch, summed over micro-batches and replicas."""
-    predict = _predictions_for_counts(model)
+def _static_examples(x) -> int | None:
+    return next(t for t in tf.nest.flatten(x) if t is not None).shape[0]
 
-    def counts_of(micro_batch):
+
+def _local_examples(x) -> tf.Tensor:
+    return tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0], tf.float32)
+
+
+def _settle_counts(normalizer, share, static_examples, can_defer, local_counts):
+    """`(global counts, deferred)`: constants, counts per example (deferred), or all-reduced."""
+    static = normalizer.static_global_counts(share, static_examples)
+    if static is not None:
+        return static, False
+    if can_defer:
+        deferred = normalizer.deferred_counts(share)
+        if deferred is not None:
+            return deferred, True
+    return normalizer.global_counts(local_counts()), False
+
+
+def counts_before_forward(model, loss_source, normalizer, x, y, sample_weight, can_defer=False):
+    """The global counts of a whole replica batch, known before its forward pass.
+
+    From the data and the predictions' static shapes: constants when the
+    batch is static and every count follows from it
+    (`Normalizer.static_global_counts`); with `can_defer`, counts per global
+    example when every count is proportional to the examples (the examples
+    then ride in the gradients' all-reduce); else one all-reduce that does
+    not wait for the forward pass.
+
+    Returns:
+        `(global counts, deferred)`; `(None, False)` when the counts need
+        the predictions themselves (a mask), or under `"per_replica"`.
+    """
+    if not normalizer.is_global:
+        return None, False
+    predictions = _counting_predictions(model, x)
+    if predictions is None:
+        return None, False
+    share = loss_source.share(x, y, predictions, sample_weight, counting=True)
+    return _settle_counts(normalizer, share, _static_examples(x), can_defer, share.counts)
+
+
+def global_micro_batch_counts(model, loss_source, normalizer, micro_batches, accum_steps,
+                              can_defer=False):
+    """The counts of the whole global batch, as `counts_before_forward`, over micro-batches.
+
+    Constants or deferred counts when they follow from shapes; otherwise a
+    pass over the micro-batches (with a forward pass in inference mode only
+    under a mask) and one all-reduce.
+    """
+
+    def share_of(micro_batch):
         mx, my, msw = micro_batch
-        return loss_source.share(mx, my, predict(mx), msw).counts()
+        predictions = _counting_predictions(model, mx)
+        if predictions is None:
+            predictions = _forward(model, mx, training=False)
+        return loss_source.share(mx, my, predictions, msw, counting=True)
 
-    first = counts_of(tf.nest.map_structure(lambda t: None if t is None else t[0], micro_batches))
-    rest = tf.nest.map_structure(lambda t: None if t is None else t[1:], micro_batches)
-    local = first + norm_lib.sum_counts(counts_of, rest, accum_steps - 1, first.shape[0])
-    return normalizer.global_counts(local)
+    first_batch = tf.nest.map_structure(lambda t: None if t is None else t[0], micro_batches)
+    first = share_of(first_batch)
+
+    def local_counts():
+        rest = tf.nest.map_structure(lambda t: None if t is None else t[1:], micro_batches)
+        counts = first.counts()
+        return counts + norm_lib.sum_counts(lambda mb: share_of(mb).counts(), rest,
+                                            accum_steps - 1, counts.shape[0])
+
+    return _settle_counts(normalizer, first, _static_examples(first_batch[0]), can_defer,
+                          local_counts)
 
 
 def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer: norm_lib.Normalizer,
@@ -118,33 +183,53 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
             loss = nonfinite_lib.fold_loss_into_gradients(loss, variables)
         return optimizer.scale_loss(loss)
 
+    can_defer = getattr(optimizer, "accepts_global_divisor", False)
+    # Deferred counts are per global example; the losses are divided by this
+    # replica's estimate of the global examples (exact with equal shares) so
+    # that the backward pass sees the usual magnitudes, and the optimizer
+    # multiplies it back before dividing by the true sum.
+    estimate = _local_examples(x) * (normalizer.num_shares / accum_steps)
     if accum_steps == 1:
+        early, deferred = counts_before_forward(model, loss_source, normalizer, x, y,
+                                                sample_weight, can_defer)
+        if deferred:
+            early = early * estimate
         with tf.GradientTape() as tape:
-            scaled_loss = share_loss(x, y, sample_weight, None)
+            scaled_loss = share_loss(x, y, sample_weight, early)
         gradients = tape.gradient(scaled_loss, variables)
     else:
-        global_counts = None
+        global_counts, deferred = None, False
         if normalizer.is_global:
-            global_counts = global_micro_batch_counts(
+            global_counts, deferred = global_micro_batch_counts(
                 model, loss_source, normalizer,
                 accumulation.split_micro_batches((x, y, sample_weight), accum_steps), accum_steps,
+                can_defer,
             )
+            if deferred:
+                global_counts = global_counts * estimate
         gradients = accumulation.sum_micro_batch_gradients(
             (x, y, sample_weight), accum_steps, variables,
             lambda micro_batch: share_loss(*micro_batch, global_counts),
         )
-    # Each share's loss is already its part of the global batch's loss: the
-    # all-reduce SUM inside apply_gradients completes it.
-    optimizer.apply_gradients(zip(gradients, variables))
+    # Each share's loss is already its part of the global batch's loss (times
+    # the global examples N when deferred): the all-reduce SUM inside
+    # apply_gradients completes it (and divides by N, summed alongside).
+    if deferred:
+        with optimizer.dividing_by_global(_local_examples(x), estimate):
+            optimizer.apply_gradients(zip(gradients, variables))
+    else:
+        optimizer.apply_gradients(zip(gradients, variables))
 
 
 def replica_eval_step(*, model: keras.Model, loss_source, normalizer: norm_lib.Normalizer,
                       data: Any, track: Track) -> None:
     """One evaluation step on one replica's share of a global batch (inside `strategy.run`)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    global_counts, _ = counts_before_forward(model, loss_source, normalizer, x, y, sample_weight)
     y_pred = _forward(model, x, training=False)
     share = loss_source.share(x, y, y_pred, sample_weight)
-    global_counts = normalizer.global_counts(share.counts()) if normalizer.is_global else None
+    if normalizer.is_global and global_counts is None:
+        global_counts = normalizer.global_counts(share.counts())
     denominators = normalizer.denominators(share, global_counts)
     loss, term_losses = normalizer.loss(share, denominators)
     track(share, loss, denominators, term_losses, x, y, y_pred, sample_weight)

@@ -128,7 +128,8 @@ class Trainer:
             Not with `nonfinite=None`.
         loss_normalization: `"global"` (default): the loss, its gradient
             and the logged loss are one device's on the whole global batch,
-            for one all-reduce of a few scalars per step; `"per_replica"`:
+            for at most one all-reduce of a few scalars per step (none with
+            a static batch and no mask); `"per_replica"`:
             each replica's mean, averaged, as stock Keras
             (`tfdp.training.loss_normalization`).
 
