@@ -239,6 +239,7 @@ def train_and_evaluate(
             steps_per_loop=config.steps_per_loop, checkpoint_every=config.checkpoint_every,
             jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
             loss_normalization=config.loss_normalization,
+            gradient_compression=config.gradient_compression_argument(),
         )
 
         result = trainer.train(dataset_for_epoch, epochs=config.epochs,
@@ -364,6 +365,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         accum_steps=batch.accum_steps, steps_per_execution=steps_per_execution,
         jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
         loss_normalization=config.loss_normalization,
+        gradient_compression=config.gradient_compression_argument(),
     )
     total_steps = config.epochs * steps_per_epoch
     if config.model_dir and _restore_finished_run(config, model, info, total_steps):

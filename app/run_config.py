@@ -20,6 +20,8 @@ MIXED_PRECISIONS = ("none", "mixed_float16", "mixed_bfloat16")
 #: `tfdp.training.loss_normalization.MODES`, repeated so that parsing flags
 #: does not import Keras (tests/app checks they agree).
 LOSS_NORMALIZATIONS = ("global", "per_replica")
+#: --gradient_compression: how gradients cross the wire (`tfdp.compression`).
+GRADIENT_COMPRESSIONS = ("none", "bfloat16", "powersgd", "topk")
 #: The global batch when neither --global_batch nor --per_replica_batch is given.
 DEFAULT_GLOBAL_BATCH = 64
 
@@ -60,6 +62,8 @@ class RunConfig:
         ("global": the loss of the global batch as one device computes it;
         "per_replica": each replica's mean, averaged, as stock Keras;
         `tfdp.training.loss_normalization`),
+        gradient_compression ("none", "bfloat16", "powersgd" with
+        compression_rank, "topk" with topk_fraction; `tfdp.compression`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only).
     """
@@ -98,6 +102,9 @@ class RunConfig:
     jit_compile: bool = False
     all_reduce_dtype: str | None = None
     loss_normalization: str = "global"
+    gradient_compression: str = "none"
+    compression_rank: int = 4
+    topk_fraction: float = 0.01
     model_dir: str | None = None
     checkpoint_every: int | None = None
 
@@ -123,6 +130,15 @@ class RunConfig:
         _choice("loss_normalization", self.loss_normalization, LOSS_NORMALIZATIONS)
         if self.all_reduce_dtype is not None:
             _choice("all_reduce_dtype", self.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES)
+        _choice("gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
+        _positive("compression_rank", self.compression_rank)
+        if (isinstance(self.topk_fraction, bool) or not isinstance(self.topk_fraction, (int, float))
+                or not 0 < self.topk_fraction <= 1):
+            raise ConfigError("--topk_fraction must be in (0, 1] (the share of gradient values "
+                              f"each replica sends). Received: --topk_fraction={self.topk_fraction!r}")
+        if self.gradient_compression == "bfloat16" and self.all_reduce_dtype not in (None, "bfloat16"):
+            raise ConfigError("--gradient_compression=bfloat16 and --all_reduce_dtype="
+                              f"{self.all_reduce_dtype} disagree; pass only --gradient_compression.")
         for name in ("model", "dataset"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"--{name} must name a registered {name}. "
@@ -174,6 +190,18 @@ class RunConfig:
                 "--checkpoint_every needs --model_dir (where checkpoints go). "
                 f"Received: --checkpoint_every={self.checkpoint_every} without --model_dir"
             )
+
+    def gradient_compression_argument(self):
+        """What `tfdp.compile` / `Trainer` take as `gradient_compression` for these flags."""
+        if self.gradient_compression == "none":
+            return None
+        if self.gradient_compression == "bfloat16":
+            return "bfloat16"
+        from tfdp import compression  # pylint: disable=import-outside-toplevel
+
+        if self.gradient_compression == "powersgd":
+            return compression.PowerSGD(rank=self.compression_rank)
+        return compression.TopK(fraction=self.topk_fraction)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

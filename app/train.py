@@ -91,6 +91,15 @@ flags.DEFINE_bool("jit_compile", _D.jit_compile, "Compile the train step with XL
 flags.DEFINE_enum("all_reduce_dtype", _D.all_reduce_dtype, reduction.ALL_REDUCE_DTYPES,
                   "Sum gradients over replicas in this dtype (half the bytes for bfloat16, "
                   "about 3 significant digits per sum); unset: in their own dtype.")
+flags.DEFINE_enum("gradient_compression", _D.gradient_compression,
+                  run_config.GRADIENT_COMPRESSIONS,
+                  "How gradients cross the wire: none (all-reduced as they are), bfloat16 (half "
+                  "the bytes), powersgd (rank --compression_rank, two small all-reduces), topk "
+                  "(the --topk_fraction largest values, one all-gather); both with error feedback.")
+flags.DEFINE_integer("compression_rank", _D.compression_rank,
+                     "PowerSGD's rank (with --gradient_compression=powersgd).")
+flags.DEFINE_float("topk_fraction", _D.topk_fraction, "Share of gradient values each replica "
+                   "sends per step (with --gradient_compression=topk).")
 flags.DEFINE_enum("loss_normalization", _D.loss_normalization, run_config.LOSS_NORMALIZATIONS,
                   "global: the loss of the global batch as one device computes it (masks, "
                   "weights, every reduction); per_replica: each replica's mean, averaged, as "

@@ -74,7 +74,7 @@ def _layer(module):
         return 2
     if module.startswith(("tfdp.pipelines", "tfdp.models", "tfdp.launch")):
         return 3  # beside the library: may use all of it
-    if module in ("tfdp", "tfdp.optimizers", "tfdp.callbacks"):
+    if module in ("tfdp", "tfdp.optimizers", "tfdp.callbacks", "tfdp.compression"):
         return 3  # the public API: names from both wings
     if module.startswith(("tfdp.app", "tfdp.bench")):
         return 4

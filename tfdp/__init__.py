@@ -24,7 +24,7 @@ _EXPORTS = {
     "Trainer": "tfdp.training.trainer",
     "WarmupSchedule": "tfdp.training.lr_schedules",
 }
-_SUBPACKAGES = ("callbacks", "optimizers")
+_SUBPACKAGES = ("callbacks", "compression", "optimizers")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
 

@@ -42,6 +42,18 @@ def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, arg
     assert err_lines[0].startswith("tfdp-train: error: ") and message in err_lines[0]
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ((), "None"),
+    (("--gradient_compression=bfloat16",), "'bfloat16'"),
+    (("--gradient_compression=powersgd", "--compression_rank=2"),
+     "PowerSGD(rank=2, start_step=0, min_compression_ratio=2.0)"),
+    (("--gradient_compression=topk", "--topk_fraction=0.05"), "TopK(fraction=0.05)"),
+])
+def test_gradient_compression_flags_build_the_compressor(parse_flags, flags, expected):
+    parse_flags(*flags)
+    assert repr(train_cli.config_from_flags().gradient_compression_argument()) == expected
+
+
 def test_flags_map_onto_run_config(parse_flags):
     parse_flags("--model=mlp", "--per_replica_batch=16", "--accum_steps=2", "--optimizer=lars",
                 "--loop=custom", "--warmup_epochs=0.5", "--cpu_replicas=2",

@@ -239,13 +239,13 @@ def count_all_reduces(strategy):
 
 
 def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
-              steps_per_execution=1, jit_compile=False):
+              steps_per_execution=1, jit_compile=False, gradient_compression=None):
     """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`."""
     with strategy.scope():
         model = build_model()
         tfdp.compile(model, optimizer=make_optimizer(), loss=loss(), metrics=["accuracy"],
                      accum_steps=accum_steps, steps_per_execution=steps_per_execution,
-                     jit_compile=jit_compile)
+                     jit_compile=jit_compile, gradient_compression=gradient_compression)
     from tfdp.training import nonfinite
     from tfdp._upstream import loss_scale
 
@@ -400,6 +400,25 @@ def _loss_form_cases(tfdp, strategy):
     return results
 
 
+#: name -> (compressor factory, accum_steps) of the gradient compression fit cases.
+COMPRESSION_CASES = {
+    # Keeps everything: must equal one device.
+    "psgd_lossless": (lambda tfdp: tfdp.compression.PowerSGD(rank=64, min_compression_ratio=0.01),
+                      1),
+    # Real compression after 2 uncompressed steps (a tf.cond around collectives).
+    "psgd_rank1": (lambda tfdp: tfdp.compression.PowerSGD(rank=1, start_step=2), ACCUM_STEPS),
+    "topk": (lambda tfdp: tfdp.compression.TopK(fraction=0.05), 1),
+}
+
+
+def _compression_cases(tfdp, strategy, counter):
+    results = {}
+    for name, (make, accum_steps) in COMPRESSION_CASES.items():
+        results.update(_fit_case(tfdp, strategy, counter, name, make_optimizer=optimizer,
+                                 accum_steps=accum_steps, gradient_compression=make(tfdp)))
+    return results
+
+
 def main(out_dir: str) -> None:
     import tfdp
 
@@ -425,6 +444,7 @@ def main(out_dir: str) -> None:
     timed("control", _control_loop, strategy, counter)
     timed("trainer", _trainer_cases, tfdp, strategy, counter, out_dir)
     timed("loss_forms", _loss_form_cases, tfdp, strategy)
+    timed("compression", _compression_cases, tfdp, strategy, counter)
     results["scratch_created"] = len(scratch)
     results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
     timed("jit", _jit_case, tfdp, strategy, counter)

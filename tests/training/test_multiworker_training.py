@@ -172,6 +172,33 @@ def test_loss_forms_on_two_workers_equal_one_device(workers, form_name, path):
         np.testing.assert_allclose(float(record[f"{key}_loss"]), history["loss"][-1], rtol=1e-5)
 
 
+def test_lossless_powersgd_on_two_workers_equals_one_device(workers):
+    _, records = workers
+    reference = _one_device_fit()
+    for record in records:
+        _assert_weights(record, "psgd_lossless", reference.get_weights(), atol=1e-5)
+
+
+@pytest.mark.parametrize("name, per_step", [("psgd_rank1", 2), ("topk", 0)])
+def test_compressed_training_on_two_workers_keeps_the_workers_identical(workers, name, per_step):
+    """Each worker keeps its own error memory, yet both apply the same update."""
+    _, records = workers
+    first, second = records
+    assert int(first[f"{name}_iterations"]) == job.STEPS_PER_EPOCH
+    weights = [k for k in first if k.startswith(f"{name}_weight")]
+    assert weights
+    for key in weights:
+        assert np.all(np.isfinite(first[key]))
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    # The loss counts: one all-reduce per step (the distributed batches have
+    # no static size, and a compressor's collectives do not carry them).
+    # PowerSGD: the plain all-reduce for start_step=2 steps, then P and Q;
+    # Top-K all-gathers (not counted here) and all-reduces nothing else.
+    counts = job.STEPS_PER_EPOCH
+    expected = counts + (0 if not per_step else 2 + per_step * (job.STEPS_PER_EPOCH - 2))
+    assert int(first[f"{name}_grad_allreduces"]) == expected
+
+
 def test_the_all_reduce_counter_counts_every_loop_iteration(workers):
     # Negative control: an all-reduce inside a tf.while_loop in replica
     # context, where the accumulation loop must not put one, runs and is

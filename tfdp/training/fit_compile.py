@@ -18,6 +18,7 @@ import keras
 from tfdp import _checks
 from tfdp._upstream import keras_loss_terms
 from tfdp._upstream import keras_train_function
+from tfdp.distribute import compression
 from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import loss_normalization as norm_lib
@@ -93,6 +94,7 @@ def compile(  # pylint: disable=redefined-builtin
     max_consecutive_nonfinite: int = nonfinite_lib.DEFAULT_MAX_CONSECUTIVE,
     all_reduce_dtype: str | None = None,
     loss_normalization: str = "global",
+    gradient_compression=None,
     **compile_kwargs,
 ) -> keras.Model:
     """`model.compile` whose `fit` and `evaluate` give one device's result, under any strategy.
@@ -150,6 +152,13 @@ def compile(  # pylint: disable=redefined-builtin
             Not with `nonfinite=None`.
         loss_normalization: `"global"` (default) or `"per_replica"` (see
             above).
+        gradient_compression: `None` (default): gradients are all-reduced
+            as they are; `"bfloat16"`: summed in bfloat16 (the same as
+            `all_reduce_dtype="bfloat16"`); `tfdp.compression.PowerSGD(...)`
+            or `tfdp.compression.TopK(...)`: compressed with per-replica
+            error feedback (see the README's communication section). A
+            compressor acts only with more than one replica and needs
+            `nonfinite` set.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 
     Returns:
@@ -175,7 +184,9 @@ def compile(  # pylint: disable=redefined-builtin
             "`steps_per_execution` must be a positive integer. "
             f"Received: steps_per_execution={steps_per_execution!r}"
         )
-    nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
+    all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
+    nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
+                                  compressor)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
     tfdp_steps = _check_model(model, loss_normalization, accum_steps)
@@ -193,12 +204,13 @@ def compile(  # pylint: disable=redefined-builtin
     loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
         "auto_scale_loss", True
     )
-    if loss_scaling or nonfinite is not None or all_reduce_dtype is not None:
+    if loss_scaling or nonfinite is not None:
         # Under mixed_float16, what Keras' compile would do, with replicas
         # that agree on skipping an overflowing step (tfdp._upstream.loss_scale).
         optimizer = nonfinite_lib.wrap_optimizer(
             optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
             loss_scaling=loss_scaling, all_reduce_dtype=all_reduce_dtype,
+            compressor=compressor,
         )
     model.compile(
         optimizer=optimizer,

@@ -51,6 +51,8 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfdp.distribute import compression
+from tfdp.distribute import compressor_config
 from tfdp.distribute import reduction
 from tfdp._upstream import keras_optimizer_internals
 from tfdp._upstream import keras_optimizer_reduction
@@ -66,14 +68,22 @@ class NonFiniteError(FloatingPointError):
     """Training stopped: too many non-finite steps in a row, or non-finite weights."""
 
 
-def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None) -> None:
-    """Validates `nonfinite`, `max_consecutive_nonfinite` and `all_reduce_dtype`.
+def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
+                    compressor=None) -> None:
+    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype` and `compressor`.
 
     Raises:
-        ValueError: one is invalid, or `all_reduce_dtype` is set with
-            `nonfinite=None` (the reduction belongs to the wrappers here).
+        ValueError: one is invalid, or `all_reduce_dtype` or `compressor` is
+            set with `nonfinite=None` (the reduction belongs to the wrappers here).
     """
     reduction.check_all_reduce_dtype(all_reduce_dtype)
+    _check_compressor(compressor)
+    if nonfinite is None and compressor is not None:
+        raise ValueError(
+            f"gradient_compression={compressor!r} needs tfdp's gradient reduction, "
+            "which comes with its non-finite step handling. Use nonfinite='skip' "
+            "(the default) or 'raise', or drop gradient_compression."
+        )
     if nonfinite is None and all_reduce_dtype is not None:
         raise ValueError(
             f"all_reduce_dtype={all_reduce_dtype!r} needs tfdp's gradient reduction, "
@@ -126,10 +136,14 @@ class _SkipNonFinite:
     """
 
     all_reduce_dtype: str | None = None
+    compressor: compression.GradientCompressor | None = None
     _pending_divisor = None
 
-    #: `dividing_by_global` may be used (tfdp.training.train_step checks this).
-    accepts_global_divisor = True
+    @property
+    def accepts_global_divisor(self) -> bool:
+        """Whether `dividing_by_global` may be used: not under a compressor, whose
+        error memories must hold gradients already divided by the global count."""
+        return self.compressor is None
 
     @contextlib.contextmanager
     def dividing_by_global(self, local_divisor: tf.Tensor, local_scale: tf.Tensor):
@@ -197,7 +211,12 @@ class _SkipNonFinite:
             divisor, scale = divisor
             divisor = tf.reshape(tf.cast(divisor, tf.float32), [1])
             grads = [_divide(g, 1.0 / tf.cast(scale, tf.float32)) for g in grads]
-        if reduced and divisor is not None:
+        new_state = None
+        if reduced and self.compressor is not None:
+            if divisor is not None:
+                raise ValueError("dividing_by_global cannot be used with a gradient compressor.")
+            grads, new_state = self._compressed_sum(context, grads, variables)
+        elif reduced and divisor is not None:
             grads, (divisor,) = reduction.all_reduce_sum(
                 context, grads, self.all_reduce_dtype, exact=[divisor]
             )
@@ -207,6 +226,9 @@ class _SkipNonFinite:
             grads = [_divide(g, tf.math.maximum(divisor[0], 1e-30)) for g in grads]
         # The same value on every replica and worker: computed from the same sums.
         proceed = tf.logical_and(_all_finite(grads), tf.logical_not(self._exhausted()))
+        if new_state is not None:
+            # A skipped step leaves the error memories as they were.
+            self.compressor.commit(new_state, proceed)
 
         def apply_step(grads):
             if reduced:
@@ -230,6 +252,48 @@ class _SkipNonFinite:
             )
 
         context.merge_call(cross_replica, args=(grads, proceed))
+
+    def _compressed_sum(self, context, grads, variables):
+        """`(estimated sums, new compressor state)` for `grads` of `variables`.
+
+        The compressor sees one dense gradient per variable it was built for
+        (zeros where none was given this step), unscaled when the loss is.
+        """
+        built = keras_optimizer_internals.built_variables(self)
+        given = {id(v): g for g, v in zip(grads, variables)}
+        scale = self._compression_scale()
+        dense = []
+        for variable in built:
+            gradient = given.get(id(variable))
+            if gradient is None:
+                gradient = tf.zeros(variable.shape, variable.dtype)
+            elif isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.convert_to_tensor(gradient)
+            dense.append(gradient if scale is None else _divide(gradient, scale))
+        start_step = getattr(self.compressor, "start_step", 0)
+
+        def compressed(dense):
+            return self.compressor.reduce(tf.distribute.get_replica_context(), dense,
+                                          self.all_reduce_dtype)
+
+        if start_step:
+            # Before start_step: the plain all-reduce, state unchanged. Every
+            # replica takes the same branch (iterations is the same everywhere).
+            def plain(dense):
+                return (reduction.all_reduce_sum(tf.distribute.get_replica_context(), dense,
+                                                 self.all_reduce_dtype),
+                        [v.read_value() for v in self.compressor.state])
+
+            sums, new_state = _replica_cond(context, self.iterations < start_step, plain,
+                                            compressed, dense)
+        else:
+            sums, new_state = compressed(dense)
+        by_variable = {id(v): s for v, s in zip(built, sums)}
+        return [by_variable[id(v)] for v in variables], new_state
+
+    def _compression_scale(self):
+        """What divides the gradients before compression (the loss scale), or None."""
+        return None
 
     def _count_skip(self, counts_in_a_row) -> None:
         live = tf.logical_not(self._exhausted())
@@ -274,9 +338,11 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
         name: str | None = None,
         all_reduce_dtype: str | None = None,
+        compressor: compression.GradientCompressor | None = None,
         **kwargs,
     ):
         check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
+        _check_compressor(compressor)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
@@ -288,10 +354,13 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         self.inner_optimizer = inner_optimizer
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.all_reduce_dtype = all_reduce_dtype
+        self.compressor = compressor
 
     def build(self, var_list):
         self._build_counters()
         self.inner_optimizer.build(var_list)
+        if self.compressor is not None:
+            self.compressor.build(var_list)
         super().build(var_list)
 
     def _apply_finite(self, grads, variables):
@@ -332,6 +401,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
             "all_reduce_dtype": self.all_reduce_dtype,
+            "compressor": compressor_config.serialize(self.compressor),
         }
 
     @classmethod
@@ -340,6 +410,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        config["compressor"] = compressor_config.deserialize(config.get("compressor"))
         return cls(inner, **config)
 
 
@@ -372,22 +443,35 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         name=None,
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
         all_reduce_dtype: str | None = None,
+        compressor: compression.GradientCompressor | None = None,
         **kwargs,
     ):
         check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
+        _check_compressor(compressor)
+        compressor = compressor_config.deserialize(compressor) if isinstance(compressor, dict) else compressor
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
         )
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.all_reduce_dtype = all_reduce_dtype
+        self.compressor = compressor
 
     def build(self, var_list):
         self._build_counters()
+        if self.compressor is not None:
+            self.compressor.build(var_list)
         super().build(var_list)
 
+    def _compression_scale(self):
+        # Error memories hold unscaled gradients, whatever the loss scale did since.
+        return self.dynamic_scale
+
     def _apply_finite(self, grads, variables):
-        scale = self.dynamic_scale
+        # Compressed gradients were unscaled before compression (see apply).
+        compressed = (self.compressor is not None
+                      and tf.distribute.get_strategy().num_replicas_in_sync > 1)
+        scale = 1.0 if compressed else self.dynamic_scale
         unscaled = [
             g if getattr(v, "overwrite_with_gradient", False) else _divide(g, scale)
             for g, v in zip(grads, variables)
@@ -414,7 +498,40 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
 
     def get_config(self):
         return {**super().get_config(), "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
-                "all_reduce_dtype": self.all_reduce_dtype}
+                "all_reduce_dtype": self.all_reduce_dtype,
+                "compressor": compressor_config.serialize(self.compressor)}
+
+
+def _replica_cond(context, predicate, true_fn, false_fn, args):
+    """`tf.cond` between `true_fn(args)` and `false_fn(args)`, replica functions holding collectives.
+
+    `predicate` must be equal on every replica; each function reads its own
+    replica context. Under MirroredStrategy a collective inside a `tf.cond`
+    in replica context fails (its merge_call cannot sit in a nested graph),
+    so the branch is taken in cross-replica context and the chosen function
+    runs on every replica, as `_SkipNonFinite.apply` does for the update.
+    """
+    if keras_optimizer_internals.supports_no_merge_call():
+        return tf.cond(predicate, lambda: true_fn(args), lambda: false_fn(args))
+
+    def cross_replica(distribution, predicate, args):
+        predicate = distribution.experimental_local_results(predicate)[0]
+        return tf.cond(
+            predicate,
+            lambda: distribution.extended.call_for_each_replica(true_fn, args=(args,)),
+            lambda: distribution.extended.call_for_each_replica(false_fn, args=(args,)),
+        )
+
+    # merge_call hands each replica its own part of the per-replica results.
+    return context.merge_call(cross_replica, args=(predicate, args))
+
+
+def _check_compressor(compressor) -> None:
+    if compressor is not None and not isinstance(compressor, (compression.GradientCompressor, dict)):
+        raise ValueError(
+            "`compressor` must be a tfdp.compression.PowerSGD or TopK, or None. "
+            f"Received: compressor={compressor!r}"
+        )
 
 
 def wrap_optimizer(
@@ -424,6 +541,7 @@ def wrap_optimizer(
     max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
     loss_scaling: bool = False,
     all_reduce_dtype: str | None = None,
+    compressor: compression.GradientCompressor | None = None,
 ):
     """The optimizer to train with, for a `nonfinite` mode.
 
@@ -441,6 +559,8 @@ def wrap_optimizer(
         all_reduce_dtype: the dtype gradients are summed over replicas in
             (`tfdp.distribute.reduction`); `None` for their own. Needs a wrapper, so not
             with `nonfinite=None`.
+        compressor: a `tfdp.compression` compressor the gradients are summed
+            through instead; needs a wrapper too.
 
     Returns:
         `NonFiniteLossScaleOptimizer` under loss scaling, else `NonFiniteGuard`
@@ -450,11 +570,15 @@ def wrap_optimizer(
         ValueError: an argument is invalid, or `all_reduce_dtype` is set with
             `nonfinite=None`.
     """
-    check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
+    check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor)
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, _SkipNonFinite):
         if all_reduce_dtype is not None:
             optimizer.all_reduce_dtype = all_reduce_dtype
+        if compressor is not None:
+            if optimizer.built:
+                raise ValueError("Pass gradient_compression before the optimizer is built.")
+            optimizer.compressor = compressor
         return optimizer
     loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if nonfinite is None:
@@ -462,16 +586,17 @@ def wrap_optimizer(
     limit = 1 if nonfinite == "raise" else max_consecutive_nonfinite
     if not loss_scaling:
         return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit,
-                              all_reduce_dtype=all_reduce_dtype)
+                              all_reduce_dtype=all_reduce_dtype, compressor=compressor)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return NonFiniteLossScaleOptimizer(
             optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name,
             max_consecutive_nonfinite=limit, all_reduce_dtype=all_reduce_dtype,
+            compressor=compressor,
         )
     return NonFiniteLossScaleOptimizer(
         optimizer, name="loss_scale_optimizer", max_consecutive_nonfinite=limit,
-        all_reduce_dtype=all_reduce_dtype,
+        all_reduce_dtype=all_reduce_dtype, compressor=compressor,
     )
 
 

@@ -38,6 +38,7 @@ from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_steps
 from tfdp.training import step_monitor
 from tfdp.distribute import preemption
+from tfdp.distribute import compression
 from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import batch as batch_lib
@@ -126,6 +127,13 @@ class Trainer:
             their own dtype; `"bfloat16"` all-reduces half the bytes, each
             sum rounded to about 3 significant digits (`tfdp.distribute.reduction`).
             Not with `nonfinite=None`.
+        gradient_compression: `None` (default): gradients are all-reduced
+            as they are; `"bfloat16"`: summed in bfloat16 (the same as
+            `all_reduce_dtype="bfloat16"`); `tfdp.compression.PowerSGD(...)`
+            or `tfdp.compression.TopK(...)`: compressed with per-replica
+            error feedback (see the README's communication section). A
+            compressor acts only with more than one replica and needs
+            `nonfinite` set.
         loss_normalization: `"global"` (default): the loss, its gradient
             and the logged loss are one device's on the whole global batch,
             for at most one all-reduce of a few scalars per step (none with
@@ -157,8 +165,10 @@ class Trainer:
         save_on_sigterm: bool = True,
         all_reduce_dtype: str | None = None,
         loss_normalization: str = "global",
+        gradient_compression=None,
     ):
         norm_lib.check_mode(loss_normalization)
+        all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
         if not isinstance(batch, BatchConfig):
             raise TypeError(
                 f"`batch` must be a tfdp.BatchConfig, e.g. tfdp.BatchConfig.from_global("
@@ -177,7 +187,8 @@ class Trainer:
         _checks.check_int("steps_per_loop", steps_per_loop)
         _checks.check_int("checkpoint_every", checkpoint_every, allow_none=True)
         _checks.check_int("max_to_keep", max_to_keep)
-        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype)
+        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
+                                      compressor)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
@@ -223,7 +234,7 @@ class Trainer:
                 optimizer, nonfinite=nonfinite,
                 max_consecutive_nonfinite=max_consecutive_nonfinite,
                 loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
-                all_reduce_dtype=all_reduce_dtype,
+                all_reduce_dtype=all_reduce_dtype, compressor=compressor,
             )
             optimizer.build(model.trainable_variables)
         self.optimizer = optimizer

@@ -1,0 +1,158 @@
+"""Training through `gradient_compression`: `tfdp.compile` + fit and `tfdp.Trainer` on 2 replicas.
+
+A compressor that keeps everything (PowerSGD at full rank with compression
+forced on, Top-K with fraction 1) must train exactly as the plain all-reduce;
+a real compression must still lower the loss; `start_step` must all-reduce
+uncompressed until then; the errors name the argument.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.training.batch import BatchConfig
+
+GLOBAL_BATCH = 16
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def two_replicas():
+    return tfdp.make_strategy(cpu_replicas=2)
+
+
+def model():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([
+        keras.Input((6, 6, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(), keras.layers.Dense(12, activation="tanh"), keras.layers.Dense(3),
+    ])
+
+
+def dataset():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 6, 6, 1)).astype("float32")
+    y = rng.integers(0, 3, GLOBAL_BATCH * STEPS)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def fit(strategy, gradient_compression, epochs=1):
+    with strategy.scope():
+        m = model()
+        tfdp.compile(m, optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss(),
+                     gradient_compression=gradient_compression)
+    history = m.fit(dataset(), epochs=epochs, verbose=0)
+    return m, history.history["loss"]
+
+
+def train(strategy, gradient_compression):
+    with strategy.scope():
+        m = model()
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    trainer = tfdp.Trainer(m, optimizer=optimizer, loss=loss(), strategy=strategy,
+                           batch=BatchConfig.from_global(GLOBAL_BATCH, 2),
+                           gradient_compression=gradient_compression)
+    trainer.train(dataset(), steps=STEPS)
+    return m
+
+
+def assert_same_weights(a, b, tolerance=1e-5):
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(x, y, rtol=tolerance, atol=tolerance)
+
+
+_plain = {}
+
+
+def plain(strategy, path):
+    if path not in _plain:
+        _plain[path] = fit(strategy, None)[0] if path == "fit" else train(strategy, None)
+    return _plain[path]
+
+
+LOSSLESS = {
+    "powersgd_full_rank": lambda: tfdp.compression.PowerSGD(rank=64, min_compression_ratio=0.01),
+    "topk_everything": lambda: tfdp.compression.TopK(fraction=1.0),
+}
+
+
+@pytest.mark.parametrize("path", ["fit", "trainer"])
+@pytest.mark.parametrize("name", sorted(LOSSLESS))
+def test_a_compressor_that_keeps_everything_trains_as_the_plain_all_reduce(name, path, two_replicas):
+    compressed = (fit(two_replicas, LOSSLESS[name]())[0] if path == "fit"
+                  else train(two_replicas, LOSSLESS[name]()))
+    assert_same_weights(compressed, plain(two_replicas, path))
+
+
+@pytest.mark.parametrize("compressor", [
+    lambda: tfdp.compression.PowerSGD(rank=1),
+    lambda: tfdp.compression.TopK(fraction=0.05),
+])
+def test_real_compression_still_trains(compressor, two_replicas):
+    m, losses = fit(two_replicas, compressor(), epochs=8)
+    assert losses[-1] < 0.8 * losses[0]
+    assert not np.allclose(m.get_weights()[0], plain(two_replicas, "fit").get_weights()[0])
+
+
+def test_before_start_step_the_gradients_are_all_reduced_uncompressed(two_replicas):
+    m, _ = fit(two_replicas, tfdp.compression.PowerSGD(rank=1, start_step=STEPS))
+    assert_same_weights(m, plain(two_replicas, "fit"))
+    memories = m.optimizer.compressor.state
+    assert not any(np.any(np.array(v.values[0])) for v in memories[:1])
+
+
+def test_bfloat16_is_the_all_reduce_dtype(two_replicas):
+    with two_replicas.scope():
+        m = model()
+        tfdp.compile(m, optimizer="sgd", loss=loss(), gradient_compression="bfloat16")
+    assert m.optimizer.all_reduce_dtype == "bfloat16" and m.optimizer.compressor is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gradient_compression": "powersgd"}, "`gradient_compression` must be None"),
+    ({"gradient_compression": tfdp.compression.TopK(0.1), "nonfinite": None},
+     "needs tfdp's gradient reduction"),
+    ({"gradient_compression": "bfloat16", "all_reduce_dtype": "float16"}, "all_reduce_dtype"),
+])
+def test_bad_combinations_are_refused_naming_the_argument(kwargs, message, two_replicas):
+    with two_replicas.scope():
+        m = model()
+    with pytest.raises(ValueError, match=message):
+        tfdp.compile(m, optimizer="sgd", loss=loss(), **kwargs)
+
+
+def test_under_mixed_float16_the_memories_hold_unscaled_gradients(two_replicas):
+    """The loss scale is divided out before compression: lossless PowerSGD equals no compression."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        results = []
+        for compressor in (None, LOSSLESS["powersgd_full_rank"]()):
+            m, losses = fit(two_replicas, compressor)
+            results.append(m)
+            assert np.isfinite(losses[-1])
+        assert int(results[1].optimizer.iterations.numpy()) == STEPS
+        assert_same_weights(results[1], results[0], tolerance=1e-3)
+        scale = float(results[1].optimizer.dynamic_scale.numpy())
+        memory = np.abs(np.array(results[1].optimizer.compressor.state[0].values[0])).max()
+        assert memory < 1.0 < scale  # not multiplied by the loss scale
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_the_compressor_survives_the_optimizer_config(two_replicas):
+    with two_replicas.scope():
+        m = model()
+        tfdp.compile(m, optimizer="sgd", loss=loss(),
+                     gradient_compression=tfdp.compression.PowerSGD(rank=3, start_step=7))
+        config = keras.optimizers.serialize(m.optimizer)
+        again = keras.optimizers.deserialize(config)
+    assert repr(again.compressor) == repr(m.optimizer.compressor)
+    assert "rank=3, start_step=7" in repr(again.compressor)
