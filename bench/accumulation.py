@@ -95,8 +95,9 @@ def measure(spec: dict) -> dict:
     dataset = workloads.synthetic_dataset((workloads.MLP_INPUT,), global_batch)
     device = _local_device(strategy)
     rss_before = _vm_hwm_bytes()
-    tf_before = tf.config.experimental.get_memory_info(device)["current"]
-    tf.config.experimental.reset_memory_stats(device)
+    tf_before = _allocator_bytes(device, "current")
+    if tf_before is not None:
+        tf.config.experimental.reset_memory_stats(device)
     model.fit(dataset, epochs=1, steps_per_epoch=spec["steps"], verbose=0)  # warm-up
     samples = []
     for _ in range(spec["repeats"]):
@@ -104,7 +105,7 @@ def measure(spec: dict) -> dict:
         model.fit(dataset, epochs=1, steps_per_epoch=spec["steps"], verbose=0)
         samples.append((time.perf_counter() - start) / spec["steps"])
     rss_peak = _vm_hwm_bytes()
-    tf_peak = tf.config.experimental.get_memory_info(device)["peak"]
+    tf_peak = _allocator_bytes(device, "peak")
     return {
         "accum_steps": k,
         "micro_batch": spec["micro_batch"],
@@ -117,8 +118,23 @@ def measure(spec: dict) -> dict:
         "peak_rss_bytes": rss_peak,
         "rss_growth_bytes": rss_peak - rss_before,
         "tf_peak_bytes": tf_peak,
-        "tf_growth_bytes": tf_peak - tf_before,
+        "tf_growth_bytes": None if tf_peak is None else tf_peak - tf_before,
     }
+
+
+def _allocator_bytes(device: str, key: str) -> int | None:
+    """TensorFlow's CPU allocator `current` or `peak` bytes, or None where it keeps no stats.
+
+    Some TensorFlow CPU builds and machines answer "Allocator stats not
+    available" (seen on an AMD EPYC VM, TensorFlow 2.21); the resident-set
+    figures still stand there.
+    """
+    import tensorflow as tf
+
+    try:
+        return tf.config.experimental.get_memory_info(device)[key]
+    except ValueError:
+        return None
 
 
 def measure_times(spec: dict) -> dict:
@@ -276,7 +292,8 @@ def run(*, accum_steps=(1, 4, 8), micro_batch: int = 16, steps: int = 20, repeat
             "tf_peak_bytes": measured["tf_peak_bytes"],
             "tf_growth_bytes": measured["tf_growth_bytes"],
             "peak_rss_ratio": measured["peak_rss_bytes"] / base["peak_rss_bytes"],
-            "tf_peak_ratio": measured["tf_peak_bytes"] / base["tf_peak_bytes"],
+            "tf_peak_ratio": (measured["tf_peak_bytes"] / base["tf_peak_bytes"]
+                              if measured["tf_peak_bytes"] and base["tf_peak_bytes"] else None),
             "all_reduces_accumulated": counts["accumulated"][str(k)],
             "all_reduces_per_micro_batch": counts["per_micro_batch"][str(k)],
         })

@@ -10,6 +10,17 @@ as the Keras model), trained with SGD (momentum 0.9) and cross-entropy on
 logits, on in-memory random batches of the same per-replica size, timed in
 `repeats` rounds of `steps` steps after a warm-up round. When PyTorch is not
 installed the case is skipped with the reason (`pip install -e ".[bench]"`).
+
+PyTorch runs at its own best CPU settings: the model and the images in
+`channels_last` (its convolutions on CPU are fastest so; `channels_last=False`
+gives NCHW, as the measurements before 2026-11-25 used). `hook` registers
+one of DDP's communication hooks, PyTorch's counterparts of tfdp's
+`gradient_compression`: `"fp16"` (`default_hooks.fp16_compress_hook`: half the bytes; its
+`bf16_compress_hook` refuses to run without CUDA 11+ and NCCL 2.10+) or
+`"powersgd"` (`powerSGD_hook` with `PowerSGDState(matrix_approximation_rank=
+rank, start_powerSGD_iter=2, min_compression_rate=2)`, error feedback and warm
+start on; PyTorch needs at least 2 uncompressed iterations with them, which
+the warm-up round covers).
 """
 
 from __future__ import annotations
@@ -21,7 +32,10 @@ import time
 
 from tfdp.bench import procs
 
-_DEFAULTS = {"per_replica_batch": 64, "steps": 100, "repeats": 3, "threads": 1}
+_DEFAULTS = {"per_replica_batch": 64, "steps": 100, "repeats": 3, "threads": 1,
+             "channels_last": True, "hook": "none", "rank": 4}
+#: DDP communication hooks `measure` can register (see the module docstring).
+HOOKS = ("none", "fp16", "powersgd")
 
 
 def torch_missing_reason() -> str | None:
@@ -53,7 +67,9 @@ def measure(spec: dict) -> dict:
 
     Args:
         spec: `port` (the rendezvous port), and optionally `per_replica_batch`
-            (64), `steps` (100), `repeats` (3), `threads` (1).
+            (64), `steps` (100), `repeats` (3), `threads` (1), `channels_last`
+            (True), `hook` (one of `HOOKS`, "none") and `rank` (4, for
+            "powersgd").
 
     Returns:
         `{"world_size", "global_batch", "images_per_second" (best),
@@ -74,13 +90,23 @@ def measure(spec: dict) -> dict:
                             rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model = DistributedDataParallel(build_torch_cnn())
+        memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
+        # powerSGD_hook chains its collectives through future callbacks, which
+        # run on whichever thread completes the previous one: with two buckets
+        # in flight the ranks' orders can differ (gloo then fails with
+        # "Received data size doesn't match expected size"). One bucket,
+        # first included (bucket_cap_mb_list), keeps one chain.
+        buckets = {"bucket_cap_mb_list": [64, 64]} if spec["hook"] == "powersgd" else {}
+        model = DistributedDataParallel(build_torch_cnn().to(memory_format=memory_format),
+                                        **buckets)
+        _register_hook(model, spec["hook"], spec["rank"])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
         batch = spec["per_replica_batch"]
         height, width, channels = workloads.IMAGE_SHAPE
         generator = torch.Generator().manual_seed(rank)
-        data = [(torch.randn(batch, channels, height, width, generator=generator),
+        data = [(torch.randn(batch, channels, height, width, generator=generator
+                             ).contiguous(memory_format=memory_format),
                  torch.randint(0, workloads.NUM_CLASSES, (batch,), generator=generator))
                 for _ in range(4)]
 
@@ -111,6 +137,8 @@ def measure(spec: dict) -> dict:
         "global_batch": batch * world,
         "parameters": parameters,
         "torch_version": torch.__version__,
+        "hook": spec["hook"],
+        "channels_last": spec["channels_last"],
         "images_per_second": max(samples),
         "median_images_per_second": statistics.median(samples),
         "step_ms": 1000.0 * batch * world / statistics.median(samples),
@@ -118,8 +146,26 @@ def measure(spec: dict) -> dict:
     }
 
 
+def _register_hook(model, hook: str, rank: int) -> None:
+    if hook not in HOOKS:
+        raise ValueError(f"`hook` must be one of {', '.join(HOOKS)}. Received: hook={hook!r}")
+    if hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+            min_compression_rate=2, use_error_feedback=True, warm_start=True,
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
 def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeats: int = 3,
-        threads: int = 1, timeout: float = 300.0) -> dict:
+        threads: int = 1, timeout: float = 300.0, hook: str = "none", rank: int = 4,
+        channels_last: bool = True) -> dict:
     """Runs the peer case: one DDP launch per worker count, or a skip record.
 
     Args:
@@ -129,6 +175,7 @@ def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeat
         repeats: timed rounds.
         threads: `torch.set_num_threads` per process.
         timeout: seconds per launch.
+        hook, rank, channels_last: see `measure`.
 
     Returns:
         `{"status": "ok", "workers": {n: measurement}}`, or
@@ -143,7 +190,8 @@ def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeat
     results = {}
     for n in workers:
         spec = {"per_replica_batch": per_replica_batch, "steps": steps, "repeats": repeats,
-                "threads": threads, "port": procs.free_port()}
+                "threads": threads, "port": procs.free_port(), "hook": hook, "rank": rank,
+                "channels_last": channels_last}
         results[str(n)] = procs.run_job("torch_ddp", spec, nproc=n, timeout=timeout)
     return {"status": "ok", "framework": "PyTorch DDP, gloo, CPU", "workers": results}
 

@@ -28,6 +28,8 @@ PATH_LABELS = {
     "tfdp_fit": "tfdp fit (tfdp.compile, steps_per_execution=N)",
     "tfdp_fit_bf16": "tfdp fit, gradients all-reduced in bfloat16",
     "tfdp_fit_per_replica": "tfdp fit, per-replica loss (no global counts)",
+    "tfdp_fit_powersgd": "tfdp fit, PowerSGD (rank 4) gradient compression",
+    "tfdp_fit_topk": "tfdp fit, Top-K (1%) gradient compression",
     "trainer": "tfdp Trainer (steps_per_loop=N)",
     "loop_1": "hand-written loop, 1 step per call",
     "loop_n": "hand-written loop, N steps per call",
@@ -164,6 +166,24 @@ def _peer(case) -> list[str]:
     return lines
 
 
+def _communication(case) -> list[str]:
+    lines = [f"2 workers, the CNN; PowerSGD rank {case['rank']} (DDP: `powerSGD_hook` at the "
+             f"same rank), Top-K {_f(100 * case['fraction'], 1, '%')}. Bytes: what each worker "
+             "puts into the gradient collectives per step. ÷ no all-reduce: images/s over the "
+             "diagnostic loop that never communicates "
+             f"({_f(case.get('no_all_reduce_images_per_second'))} img/s).", "",
+             "| framework | gradient exchange | img/s (median) | bytes per step | ÷ no all-reduce |",
+             "|---|---|---|---|---|"]
+    for r in case["rows"]:
+        name = PATH_LABELS.get(r["path"], r["path"]) if r["framework"] == "tfdp" else (
+            {"none": "all-reduce (no hook)", "fp16": "`fp16_compress_hook`",
+             "powersgd": "`powerSGD_hook`"}[r["path"]])
+        lines.append(f"| {r['framework']} | {name} | {_f(r['images_per_second'])} "
+                     f"({_f(r['median_images_per_second'])}) | {r['bytes_per_step']:,} | "
+                     f"{_f(r['vs_no_all_reduce'], 2)} |")
+    return lines
+
+
 def _accumulation(case) -> list[str]:
     mb = 1e6
     lines = [case["workload"] + f"; every k timed in one launch, in alternation, "
@@ -183,7 +203,8 @@ def _accumulation(case) -> list[str]:
             f"{_f(r['per_micro_batch_seconds_per_global_batch'], 3)} | {_f(r['speedup'], 2)}× "
             f"({_f(r.get('median_speedup'), 2)}×) | "
             f"{_f(r['all_reduces_accumulated'])} / {_f(r['all_reduces_per_micro_batch'])} | "
-            f"{_f(r['tf_peak_bytes'] / mb)} ({_f(r['tf_peak_ratio'], 2)}) | "
+            f"{_f(r['tf_peak_bytes'] and r['tf_peak_bytes'] / mb)} "
+            f"({_f(r['tf_peak_ratio'], 2)}) | "
             f"{_f(r['peak_rss_bytes'] / mb)} ({_f(r['peak_rss_ratio'], 2)}) | "
             f"{_f(r['rss_growth_bytes'] / mb)} |")
     return lines
@@ -221,9 +242,11 @@ def markdown(results: dict) -> str:
         ("1. Scaling: 1 vs 2 workers", "scaling", lambda c: _scaling(c, config)),
         ("2. Overhead: fit vs Keras fit vs custom loops, same strategy", "overhead", _overhead),
         ("3. Peer: PyTorch DDP on the same network", "peer_torch", _peer),
-        ("4. Gradient accumulation on a communication-bound MLP", "accumulation", _accumulation),
-        ("5. All-reduce latency and bandwidth", "allreduce", _allreduce),
-        ("6. Input pipeline vs naive", "input_pipeline", _pipeline),
+        ("4. Communication: gradient compression, tfdp and DDP's hooks", "communication",
+         _communication),
+        ("5. Gradient accumulation on a communication-bound MLP", "accumulation", _accumulation),
+        ("6. All-reduce latency and bandwidth", "allreduce", _allreduce),
+        ("7. Input pipeline vs naive", "input_pipeline", _pipeline),
     ]
     lines = ["# tfdp benchmark results", "", *_machine(results), "", "## Targets", "",
              *_targets(results)]

@@ -62,6 +62,8 @@ def summarize(runs: dict, *, paths=None) -> dict:
 
 #: Paths that only serve to split the step (not trained with for real).
 DIAGNOSTIC_PATHS = ("loop_n_local", "loop_n_sync", "input")
+#: Paths whose gradients are compressed: the breakdown's parts do not apply.
+COMPRESSED_PATHS = ("tfdp_fit_powersgd", "tfdp_fit_topk")
 
 
 def breakdown(runs: dict, all_reduce: dict | None, *, workers: str = "2") -> dict:
@@ -96,8 +98,8 @@ def breakdown(runs: dict, all_reduce: dict | None, *, workers: str = "2") -> dic
         )
     parts = {}
     for path, step in many.items():
-        if path in DIAGNOSTIC_PATHS:
-            continue
+        if path in DIAGNOSTIC_PATHS or path in COMPRESSED_PATHS:
+            continue  # compressed paths send other bytes than the loops' (see communication)
         parts[path] = {
             "step_ms": step,
             "compute_ms": compute,

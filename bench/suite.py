@@ -8,9 +8,10 @@ fails is recorded with its error and the others still run. Measuring is the
 case modules' job, writing files `tfdp.bench.report`'s.
 
 Order: the CNN throughput launches (1 and 2 workers, alternating when
-`rounds > 1`) feed the scaling and overhead cases; PyTorch DDP runs right
-after them on the same network; then the all-reduce, accumulation and
-input-pipeline cases.
+`rounds > 1`) feed the scaling, overhead and communication cases; PyTorch
+DDP runs right after them on the same network, without and then with its
+communication hooks; then the all-reduce, accumulation and input-pipeline
+cases.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable
 
 from tfdp.bench import accumulation
 from tfdp.bench import allreduce
+from tfdp.bench import communication
 from tfdp.bench import input_pipeline
 from tfdp.bench import link as link_lib
 from tfdp.bench import machine
@@ -32,7 +34,8 @@ from tfdp.bench import scaling
 from tfdp.bench import targets
 from tfdp.bench import throughput
 
-CASES = ("scaling", "overhead", "peer_torch", "accumulation", "allreduce", "input_pipeline")
+CASES = ("scaling", "overhead", "peer_torch", "communication", "accumulation", "allreduce",
+         "input_pipeline")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,8 +113,8 @@ class SuiteConfig:
         """The smoke-test sizes: every case, a few steps each (< 3 min on 2 cores)."""
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
-            paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "trainer", "loop_n",
-                   "loop_n_local", "loop_n_sync", "input"),
+            paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd",
+                   "tfdp_fit_topk", "trainer", "loop_n", "loop_n_local", "loop_n_sync", "input"),
             accum_steps_timed=3, accum_steps=(1, 8), accum_rounds=2, all_reduce_iterations=5,
             all_reduce_sizes=(4, 40_000, 4_000_000),
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),
@@ -191,6 +194,13 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
         workers=(1, 2), per_replica_batch=config.per_replica_batch, steps=config.steps,
         repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
     ), log), runs.get("runs"))
+    hooks = _guarded("communication (DDP hooks)", lambda: communication.run_ddp_hooks(
+        per_replica_batch=config.per_replica_batch, steps=config.steps,
+        repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
+    ), log)
+    cases["communication"] = communication.summarize(runs.get("runs"), cases["peer_torch"], hooks)
+    if hooks.get("status") == "error":
+        cases["communication"]["ddp_hooks_error"] = hooks.get("error")
     cases["allreduce"] = _guarded("allreduce", lambda: allreduce.run(
         nproc=2, sizes=config.all_reduce_sizes, iterations=config.all_reduce_iterations,
         link_gbytes_per_second=config.link_gbytes_per_second, threads=config.threads,

@@ -27,6 +27,9 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
   without the all-reduce of the loss's global counts that `tfdp_fit` runs
   each step (`tfdp.training.loss_normalization`), so the two differ by its
   cost;
+- `tfdp_fit_powersgd`, `tfdp_fit_topk`: `tfdp_fit` with
+  `gradient_compression=tfdp.compression.PowerSGD(rank=spec["compression_rank"])`
+  or `TopK(fraction=spec["topk_fraction"])` (`tfdp.compression`);
 - `trainer`: `tfdp.Trainer(..., steps_per_loop=N)`, with an accuracy metric;
 - `loop_1`: a hand-written loop, one `strategy.run` step per `tf.function`
   call, no metrics;
@@ -51,7 +54,7 @@ import time
 from typing import Callable
 
 PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica",
-         "trainer", "loop_1", "loop_n",
+         "tfdp_fit_powersgd", "tfdp_fit_topk", "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
 #: How the hand-written loops exchange gradients (see the module docstring).
@@ -66,6 +69,8 @@ _DEFAULTS = {
     "steps": 100,
     "repeats": 3,
     "learning_rate": 0.01,
+    "compression_rank": 4,
+    "topk_fraction": 0.01,
 }
 
 
@@ -103,7 +108,8 @@ def _optimizer(spec):
 
 def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution: int,
                 mark: Callable[[], None], all_reduce_dtype: str | None = None,
-                loss_normalization: str = "global") -> Callable[[int], None]:
+                loss_normalization: str = "global",
+                compression: str | None = None) -> Callable[[int], None]:
     import keras
     import tfdp
     from tfdp.bench import workloads
@@ -113,8 +119,14 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
         arguments = dict(optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
                          steps_per_execution=steps_per_execution)
         if use_tfdp:
+            compressor = None
+            if compression == "powersgd":
+                compressor = tfdp.compression.PowerSGD(rank=spec["compression_rank"])
+            elif compression == "topk":
+                compressor = tfdp.compression.TopK(fraction=spec["topk_fraction"])
             tfdp.compile(model, all_reduce_dtype=all_reduce_dtype,
-                         loss_normalization=loss_normalization, **arguments)
+                         loss_normalization=loss_normalization,
+                         gradient_compression=compressor, **arguments)
         else:
             model.compile(**arguments)
 
@@ -248,12 +260,13 @@ def _input_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
 
 
 def _runner(path, strategy, dataset, spec, mark):
-    if path in ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica"):
+    if path.startswith(("keras_fit", "tfdp_fit")):
         return _fit_runner(
             strategy, dataset, spec, use_tfdp=path.startswith("tfdp"), mark=mark,
             steps_per_execution=1 if path == "keras_fit" else spec["steps_per_execution"],
             all_reduce_dtype="bfloat16" if path == "tfdp_fit_bf16" else None,
             loss_normalization="per_replica" if path == "tfdp_fit_per_replica" else "global",
+            compression={"tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk"}.get(path),
         )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec, mark=mark)

@@ -35,6 +35,20 @@ def test_torch_cnn_is_the_same_network():
     assert tuple(model(torch.zeros(2, channels, height, width)).shape) == (2, workloads.NUM_CLASSES)
 
 
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_ddp_runs_with_its_communication_hooks_on_two_workers(hook):
+    """The peer's hooks run (2 gloo processes, a few steps); nothing is timed."""
+    pytest.importorskip("torch")
+    result = peer_torch.run(workers=(2,), steps=3, repeats=1, hook=hook, rank=2, timeout=240)
+    row = result["workers"]["2"]
+    assert row["hook"] == hook and row["channels_last"] and row["images_per_second"] > 0
+
+
+def test_ddp_refuses_an_unknown_hook():
+    with pytest.raises(ValueError, match="`hook` must be one of none, fp16, powersgd"):
+        peer_torch._register_hook(None, "bf16", 4)  # pylint: disable=protected-access
+
+
 def test_mlp_is_about_ten_million_parameters():
     assert workloads.build_mlp().count_params() == workloads.mlp_parameter_count()
     assert 9_500_000 < workloads.mlp_parameter_count() < 10_500_000
@@ -159,3 +173,25 @@ def test_gradient_exchanges_of_the_diagnostic_loops(exchange):
         local = [t.numpy() for t in strategy.experimental_local_results(gradient)]
         assert [float(v.flat[0]) for v in local] == list(expected)
         assert all((v == v.flat[0]).all() for v in local)
+
+
+def test_communication_rows_bytes_and_ratios():
+    from tfdp.bench import communication
+
+    def row(images):
+        return {"images_per_second": images, "median_images_per_second": images - 1}
+
+    runs = {"2": {"paths": {"tfdp_fit": row(100.0), "tfdp_fit_powersgd": row(180.0),
+                            "loop_n_local": row(200.0)}}}
+    peer = {"status": "ok", "workers": {"2": row(90.0)}}
+    hooks = {"status": "ok", "rows": {"powersgd": row(120.0)}}
+    case = communication.summarize(runs, peer, hooks)
+    by_path = {(r["framework"], r["path"]): r for r in case["rows"]}
+    assert by_path[("tfdp", "tfdp_fit")]["bytes_per_step"] == 4 * 288_298
+    assert by_path[("tfdp", "tfdp_fit_powersgd")]["bytes_per_step"] == 4 * 14_430
+    assert by_path[("PyTorch DDP", "powersgd")]["bytes_per_step"] == 4 * 14_430
+    assert case["best_tfdp"] == "tfdp_fit_powersgd"
+    assert case["best_tfdp_vs_no_all_reduce"] == 0.9
+    assert case["best_tfdp_over_best_ddp"] == 1.5
+    markdown = report._communication(case)  # pylint: disable=protected-access
+    assert any("`powerSGD_hook`" in line and "57,720" in line for line in markdown)

@@ -49,11 +49,15 @@ def test_quick_suite_writes_every_case(tmp_path):
     for part in results["breakdown"].values():
         assert sum(part[name] for name, _ in report.BREAKDOWN_PARTS) == pytest.approx(
             part["step_ms"])
+    communication = results["cases"]["communication"]
+    assert {r["path"] for r in communication["rows"] if r["framework"] == "tfdp"} == {
+        "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk"}
     accumulation = results["cases"]["accumulation"]
     assert [len(samples) for samples in accumulation["times"].values()] == [2, 2]
 
     markdown = (out_dir / "results.md").read_text()
     for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",
-                    "## 4. Gradient accumulation", "## 5. All-reduce", "## 6. Input pipeline"):
+                    "## 4. Communication", "## 5. Gradient accumulation", "## 6. All-reduce",
+                    "## 7. Input pipeline"):
         assert heading in markdown
     assert results["machine"]["cpu"] in markdown

@@ -76,7 +76,16 @@ _STUCK_PEER = """
     def all_reduce():
         return strategy.reduce("SUM", strategy.run(lambda: tf.ones([4])), axis=None)
 
-    print("first all-reduce", all_reduce().numpy().tolist(), flush=True)
+    @tf.function
+    def first_all_reduce():
+        # The first collective also connects the workers: on a slow machine
+        # that alone can take longer than the 5 s under test, so it gets its
+        # own deadline; the second runs under the strategy's.
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=60)
+        return strategy.extended.reduce_to(
+            "SUM", strategy.run(lambda: tf.ones([4])), destinations="/cpu:0", options=options)
+
+    print("first all-reduce", first_all_reduce().numpy().tolist(), flush=True)
     if os.environ["TFDP_RANK"] == "1":
         with open("stuck.pid", "w") as f:
             f.write(str(os.getpid()))

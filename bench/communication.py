@@ -1,0 +1,110 @@
+"""Case 7: ways to exchange gradients at 2 workers, tfdp's and PyTorch DDP's hooks.
+
+This module owns the comparison of gradient communication on the benchmark
+CNN at 2 workers (over the suite's link: loopback, or `--link RATE`):
+tfdp's `tfdp_fit` paths with the plain all-reduce, bfloat16, PowerSGD and
+Top-K (timed by `tfdp.bench.throughput` in the suite's scaling launches,
+beside the no-all-reduce diagnostic loop), and PyTorch DDP with no hook
+(the peer case), `fp16_compress_hook` (its `bf16_compress_hook` needs CUDA
+and NCCL) and `powerSGD_hook` at the same rank
+(`tfdp.bench.peer_torch`, launched here), each timed its own way as those
+modules say: best of `repeats` timed calls of `steps` steps after a warm-up.
+Per path it reports images/s and the bytes each worker puts into the
+collectives per optimizer step, counted from the compressors' own
+arithmetic (`values_sent`; DDP's PowerSGD compresses the same matrices by
+the same rule, `min_compression_rate=2`).
+
+It does not measure time to accuracy (not built yet) or the MLP.
+"""
+
+from __future__ import annotations
+
+TFDP_PATHS = ("tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk")
+DDP_HOOKS = ("fp16", "powersgd")
+
+
+def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -> int:
+    """Bytes one worker contributes to the gradient collectives per step, on the CNN."""
+    import tfdp
+    from tfdp.bench import workloads
+
+    variables = workloads.build_cnn().trainable_variables
+    values = sum(int(v.shape.num_elements()) for v in variables)
+    if compression == "none":
+        return 4 * values
+    if compression == "bfloat16":
+        return 2 * values
+    if compression == "powersgd":
+        return 4 * tfdp.compression.PowerSGD(rank=rank).values_sent(variables)
+    if compression == "topk":
+        return 4 * tfdp.compression.TopK(fraction=fraction).values_sent(variables)
+    raise ValueError(f"Unknown compression {compression!r}.")
+
+
+_TFDP_COMPRESSION = {"tfdp_fit": "none", "tfdp_fit_bf16": "bfloat16",
+                     "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk"}
+_DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd"}  # 2 B/value
+
+
+def run_ddp_hooks(*, per_replica_batch: int, steps: int, repeats: int, threads: int,
+                  timeout: float, rank: int = 4) -> dict:
+    """DDP at 2 workers with each of `DDP_HOOKS`: `{hook: peer_torch row}`, or a skip record."""
+    from tfdp.bench import peer_torch
+
+    reason = peer_torch.torch_missing_reason()
+    if reason is not None:
+        return {"status": "skipped", "reason": reason}
+    rows = {}
+    for hook in DDP_HOOKS:
+        rows[hook] = peer_torch.run(workers=(2,), per_replica_batch=per_replica_batch,
+                                    steps=steps, repeats=repeats, threads=threads,
+                                    timeout=timeout, hook=hook, rank=rank)["workers"]["2"]
+    return {"status": "ok", "rows": rows}
+
+
+def summarize(runs: dict | None, peer: dict, hooks: dict, *, rank: int = 4,
+              fraction: float = 0.01) -> dict:
+    """The case's rows from the suite's 2-worker runs, the peer case and `run_ddp_hooks`.
+
+    Returns:
+        `{"status": "ok", "rows": [{"framework", "path", "images_per_second",
+        "median_images_per_second", "bytes_per_step", "vs_no_all_reduce"}],
+        "best_tfdp", "best_tfdp_vs_no_all_reduce", "best_ddp"}`.
+    """
+    two = (runs or {}).get("2", {}).get("paths", {})
+    local = two.get("loop_n_local", {}).get("images_per_second")
+    rows = []
+    for path in TFDP_PATHS:
+        if path in two:
+            rows.append({"framework": "tfdp", "path": path,
+                         "images_per_second": two[path]["images_per_second"],
+                         "median_images_per_second": two[path]["median_images_per_second"],
+                         "bytes_per_step": bytes_per_step(_TFDP_COMPRESSION[path], rank=rank,
+                                                          fraction=fraction)})
+    ddp = {}
+    if peer.get("status") == "ok" and "2" in peer.get("workers", {}):
+        ddp["none"] = peer["workers"]["2"]
+    if hooks.get("status") == "ok":
+        ddp.update(hooks["rows"])
+    for hook, row in ddp.items():
+        rows.append({"framework": "PyTorch DDP", "path": hook,
+                     "images_per_second": row["images_per_second"],
+                     "median_images_per_second": row["median_images_per_second"],
+                     "bytes_per_step": bytes_per_step(_DDP_COMPRESSION[hook], rank=rank)})
+    for row in rows:
+        row["vs_no_all_reduce"] = row["images_per_second"] / local if local else None
+    tfdp_rows = [r for r in rows if r["framework"] == "tfdp"]
+    ddp_rows = [r for r in rows if r["framework"] != "tfdp"]
+    best = max(tfdp_rows, key=lambda r: r["images_per_second"], default=None)
+    best_ddp = max(ddp_rows, key=lambda r: r["images_per_second"], default=None)
+    return {
+        "status": "ok" if rows else "skipped",
+        **({} if rows else {"reason": "no 2-worker tfdp paths or DDP rows were measured"}),
+        "rows": rows,
+        "no_all_reduce_images_per_second": local,
+        "best_tfdp": best and best["path"],
+        "best_tfdp_vs_no_all_reduce": best and best["vs_no_all_reduce"],
+        "best_tfdp_over_best_ddp": (best["images_per_second"] / best_ddp["images_per_second"]
+                                    if best and best_ddp else None),
+        "rank": rank, "fraction": fraction,
+    }
