@@ -24,9 +24,9 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
 - `tfdp_fit_bf16`: `tfdp_fit` with `all_reduce_dtype="bfloat16"` (gradients
   summed in bfloat16: half the bytes; `tfdp.distribute.reduction`);
 - `tfdp_fit_per_replica`: `tfdp_fit` with `loss_normalization="per_replica"`:
-  without the all-reduce of the loss's global counts that `tfdp_fit` runs
-  each step (`tfdp.training.loss_normalization`), so the two differ by its
-  cost;
+  each replica's own mean, so the two differ by what the global loss counts
+  cost (`tfdp.training.loss_normalization`; with this CNN's static batch
+  they are constants and no collective of their own);
 - `tfdp_fit_powersgd`, `tfdp_fit_topk`: `tfdp_fit` with
   `gradient_compression=tfdp.compression.PowerSGD(rank=spec["compression_rank"])`
   or `TopK(fraction=spec["topk_fraction"])` (`tfdp.compression`);
