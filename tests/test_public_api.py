@@ -9,6 +9,7 @@ EXPECTED_PUBLIC_NAMES = {
     "BatchConfig",
     "callbacks",
     "compile",
+    "compression",
     "configure_cpu_devices",
     "make_strategy",
     "optimizers",
@@ -28,6 +29,7 @@ def test_every_public_name_resolves():
     for name in tfdp.__all__:
         assert getattr(tfdp, name) is not None, name
     assert tfdp.optimizers.LARS and tfdp.optimizers.LAMB
+    assert tfdp.compression.PowerSGD and tfdp.compression.TopK
 
 
 def test_unknown_names_raise_attribute_error():

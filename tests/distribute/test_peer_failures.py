@@ -86,7 +86,14 @@ _STUCK_PEER = """
             "SUM", strategy.run(lambda: tf.ones([4])), destinations="/cpu:0", options=options)
 
     print("first all-reduce", first_all_reduce().numpy().tolist(), flush=True)
-    if os.environ["TFDP_RANK"] == "1":
+    if os.environ["TFDP_RANK"] == "0":
+        open("first.done", "w").close()
+    else:
+        # Worker 0 may still be pulling worker 1's last piece of the first
+        # all-reduce (gRPC RecvBuf): worker 1 gets stuck only once it is done.
+        deadline = time.monotonic() + 60
+        while not os.path.exists("first.done") and time.monotonic() < deadline:
+            time.sleep(0.05)
         with open("stuck.pid", "w") as f:
             f.write(str(os.getpid()))
         if sys.argv[1] == "sigstop":
