@@ -115,9 +115,11 @@ class PowerSGD(compression.GradientCompressor):
             ms.append(matrix)
             ps.append(tf.matmul(matrix, q.read_value()))
         # First collective: the uncompressed gradients and every P, one batch.
-        plain_sums, p_sums = _split(
-            reduction.all_reduce_sum(context, plain, all_reduce_dtype, exact=ps), len(plain), ps
-        )
+        if ps:
+            plain_sums, p_sums = reduction.all_reduce_sum(context, plain, all_reduce_dtype,
+                                                          exact=ps)
+        else:
+            plain_sums, p_sums = reduction.all_reduce_sum(context, plain, all_reduce_dtype), []
         bases = [tf.linalg.qr(p)[0] for p in p_sums]
         q_sums = reduction.all_reduce_sum(
             context, [tf.matmul(matrix, basis, transpose_a=True) for matrix, basis in zip(ms, bases)]
@@ -146,9 +148,3 @@ class PowerSGD(compression.GradientCompressor):
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, start_step={self.start_step}, "
                 f"min_compression_ratio={self.min_compression_ratio})")
-
-
-def _split(result, count, exact):
-    if exact:
-        return result
-    return result, []
