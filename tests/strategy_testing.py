@@ -1,5 +1,6 @@
-"""Test helpers for strategies: a MirroredStrategy that counts its all-reduces."""
+"""Test helpers for strategies: MirroredStrategies that count their collectives."""
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -36,3 +37,43 @@ def counting_mirrored_strategy():
     strategy_internals.reserve_collective_keys()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], _CountingReduction(counter))
     return strategy, counter
+
+
+class _MeasuringReduction(tf.distribute.ReductionToOneDevice):
+    """Counts collectives and the values each replica contributes, at run time."""
+
+    def __init__(self, calls, values, gathers):
+        super().__init__()
+        self.calls, self.values, self.gathers = calls, values, gathers
+
+    def _count(self, per_replica_values):
+        size = sum(int(np.prod(v.values[0].shape)) for v in per_replica_values)
+        return [self.values.assign_add(size)]
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+        counted = self._count([v for v, _ in value_destination_pairs])
+        with tf.control_dependencies(counted + [self.calls.assign_add(1)]):
+            return super().batch_reduce(reduce_op, value_destination_pairs, options)
+
+    def _gather(self, per_replica_value, destinations, axis, options=None):
+        counted = self._count([per_replica_value])
+        with tf.control_dependencies(counted + [self.gathers.assign_add(1)]):
+            return super()._gather(per_replica_value, destinations, axis, options)
+
+
+def measuring_strategy(replicas: int = 2):
+    """A MirroredStrategy over `replicas` CPUs that measures its collectives.
+
+    Returns:
+        `(strategy, (all_reduces, values, all_gathers))`: int64 variables
+        that grow at run time by one per batched all-reduce, by the values
+        each replica contributes, and by one per all-gather.
+    """
+    counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in range(3)]
+    from tfdp._upstream import strategy_internals
+
+    strategy_internals.reserve_collective_keys()
+    strategy = tf.distribute.MirroredStrategy(
+        [f"/cpu:{i}" for i in range(replicas)], _MeasuringReduction(*counters)
+    )
+    return strategy, counters

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tfdp.distribute import compression
 from tfdp.distribute.powersgd import PowerSGD
 from tfdp.distribute.topk import TopK
-from tfdp._upstream import strategy_internals
+import strategy_testing
 
 REPLICAS = 2
 STEPS = 4
@@ -31,35 +31,8 @@ SHAPES = [(3, 3, 2, 8), (20, 12), (12,), (3, 2)]
 TOLERANCE = 1e-5
 
 
-class _MeasuringReduction(tf.distribute.ReductionToOneDevice):
-    """Counts collectives and the float32 values each replica contributes, at run time."""
-
-    def __init__(self, calls, values, gathers):
-        super().__init__()
-        self.calls, self.values, self.gathers = calls, values, gathers
-
-    def _count(self, per_replica_values):
-        size = sum(int(np.prod(v.values[0].shape)) for v in per_replica_values)
-        return [self.values.assign_add(size)]
-
-    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
-        counted = self._count([v for v, _ in value_destination_pairs])
-        with tf.control_dependencies(counted + [self.calls.assign_add(1)]):
-            return super().batch_reduce(reduce_op, value_destination_pairs, options)
-
-    def _gather(self, per_replica_value, destinations, axis, options=None):
-        counted = self._count([per_replica_value])
-        with tf.control_dependencies(counted + [self.gathers.assign_add(1)]):
-            return super()._gather(per_replica_value, destinations, axis, options)
-
-
 def measuring_strategy():
-    counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in range(3)]
-    strategy_internals.reserve_collective_keys()
-    strategy = tf.distribute.MirroredStrategy(
-        [f"/cpu:{i}" for i in range(REPLICAS)], _MeasuringReduction(*counters)
-    )
-    return strategy, counters
+    return strategy_testing.measuring_strategy(REPLICAS)
 
 
 def shares(seed=11):

@@ -20,10 +20,12 @@ from tfdp._upstream import keras_loss_terms
 from tfdp._upstream import keras_train_function
 from tfdp.distribute import compression
 from tfdp.distribute import devices
+from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import step_monitor
+from tfdp.training import sync_points
 from tfdp.training import train_step as train_step_lib
 
 
@@ -31,11 +33,20 @@ def _overrides(model: keras.Model, name: str) -> bool:
     return getattr(type(model), name) is not getattr(keras.Model, name)
 
 
-def _check_model(model: keras.Model, loss_normalization: str, accum_steps: int) -> bool:
+def _check_model(model: keras.Model, loss_normalization: str, accum_steps: int,
+                 local: bool = False) -> bool:
     """Whether tfdp's steps can replace the model's; raises where the result would differ silently."""
     custom = [name for name in ("train_step", "compute_loss") if _overrides(model, name)]
     if not custom:
         return True
+    if local:
+        raise ValueError(
+            f"{type(model).__name__} overrides "
+            + " and ".join(f"`{name}`" for name in custom)
+            + ", so tfdp cannot take local steps (sync_every > 1 or an outer_optimizer) "
+            "through it: its loss is scaled for an all-reduce that local steps do not "
+            "make. Give the loss to tfdp.compile(loss=...) and drop the override."
+        )
     if loss_normalization == norm_lib.PER_REPLICA and accum_steps == 1:
         return False  # the model's own steps, with Keras' per-replica loss
     what = " and ".join(f"`{name}`" for name in custom)
@@ -95,6 +106,8 @@ def compile(  # pylint: disable=redefined-builtin
     all_reduce_dtype: str | None = None,
     loss_normalization: str = "global",
     gradient_compression=None,
+    sync_every: int = 1,
+    outer_optimizer=None,
     **compile_kwargs,
 ) -> keras.Model:
     """`model.compile` whose `fit` and `evaluate` give one device's result, under any strategy.
@@ -159,6 +172,19 @@ def compile(  # pylint: disable=redefined-builtin
             error feedback (see the README's communication section). A
             compressor acts only with more than one replica and needs
             `nonfinite` set.
+        sync_every: with more than 1, local SGD: each replica applies its
+            own gradients (of its own share of the batch, its loss
+            normalised by its own counts) with no gradient all-reduce, and
+            the replicas' weights are averaged every `sync_every` optimizer
+            steps and at the end of every epoch (one all-reduce of the
+            weights; `tfdp.distribute.local_sync`). Evaluation and
+            checkpoints at epoch ends see the synchronised weights.
+            Defaults to 1: synchronous training.
+        outer_optimizer: `None` (default), or a Keras optimizer for
+            DiLoCo's outer step at each synchronisation (e.g.
+            `tfdp.distribute.local_sync.diloco_outer_optimizer()`: SGD, lr
+            0.7, Nesterov momentum 0.9, as in the paper). Not with
+            `gradient_compression`.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 
     Returns:
@@ -185,11 +211,12 @@ def compile(  # pylint: disable=redefined-builtin
             f"Received: steps_per_execution={steps_per_execution!r}"
         )
     all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
+    local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
     nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
-                                  compressor)
+                                  compressor, local_sync)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
-    tfdp_steps = _check_model(model, loss_normalization, accum_steps)
+    tfdp_steps = _check_model(model, loss_normalization, accum_steps, local_sync is not None)
     keras_loss_terms.warn_if_unsupported()
     if jit_compile:
         devices.check_jit_compile_supported(model.distribute_strategy)
@@ -210,7 +237,7 @@ def compile(  # pylint: disable=redefined-builtin
         optimizer = nonfinite_lib.wrap_optimizer(
             optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
             loss_scaling=loss_scaling, all_reduce_dtype=all_reduce_dtype,
-            compressor=compressor,
+            compressor=compressor, local_sync=local_sync,
         )
     model.compile(
         optimizer=optimizer,
@@ -220,7 +247,7 @@ def compile(  # pylint: disable=redefined-builtin
         jit_compile=jit_compile,
         **compile_kwargs,
     )
-    for name in ("train_step", "test_step"):
+    for name in ("train_step", "test_step") + sync_points.METHODS:
         if name in vars(model):
             delattr(model, name)  # an earlier tfdp.compile's
     if tfdp_steps:
@@ -229,7 +256,9 @@ def compile(  # pylint: disable=redefined-builtin
         num_replicas = model.distribute_strategy.num_replicas_in_sync
         model.train_step = functools.partial(
             fit_train_step, model,
-            norm_lib.Normalizer(loss_normalization, num_replicas, accum_steps), accum_steps,
+            train_step_lib.train_normalizer(loss_normalization, num_replicas, accum_steps,
+                                           local_sync is not None),
+            accum_steps,
         )
         model.test_step = functools.partial(
             fit_test_step, model, norm_lib.Normalizer(loss_normalization, num_replicas, 1)
@@ -241,6 +270,8 @@ def compile(  # pylint: disable=redefined-builtin
         step_monitor.install_fit_check(
             model, log=strategy_info_lib.strategy_info(model.distribute_strategy).is_chief
         )
+    if local_sync is not None:
+        sync_points.install_fit_sync(model)
     model.tfdp_accum_steps = accum_steps
     model.tfdp_loss_normalization = loss_normalization
     return model

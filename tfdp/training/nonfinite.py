@@ -53,7 +53,9 @@ import tensorflow as tf
 
 from tfdp.distribute import compression
 from tfdp.distribute import compressor_config
+from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import reduction
+from tfdp.distribute import replica_cond
 from tfdp._upstream import keras_optimizer_internals
 from tfdp._upstream import keras_optimizer_reduction
 from tfdp._upstream import loss_scale
@@ -69,15 +71,33 @@ class NonFiniteError(FloatingPointError):
 
 
 def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
-                    compressor=None) -> None:
-    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype` and `compressor`.
+                    compressor=None, local_sync=None) -> None:
+    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype`, `compressor`, `local_sync`.
 
     Raises:
-        ValueError: one is invalid, or `all_reduce_dtype` or `compressor` is
-            set with `nonfinite=None` (the reduction belongs to the wrappers here).
+        ValueError: one is invalid; `all_reduce_dtype`, `compressor` or
+            local steps are set with `nonfinite=None` (the reduction belongs to
+            the wrappers here); or local steps come with a gradient
+            compression (there are no gradient all-reduces to compress).
     """
     reduction.check_all_reduce_dtype(all_reduce_dtype)
     _check_compressor(compressor)
+    if local_sync is not None:
+        what = ("sync_every=%d" % local_sync.sync_every
+                + ("" if local_sync.outer_optimizer is None else " with an outer_optimizer"))
+        if nonfinite is None:
+            raise ValueError(
+                f"{what} needs tfdp's optimizer wrapper, which comes with its non-finite "
+                "step handling. Use nonfinite='skip' (the default) or 'raise'."
+            )
+        if compressor is not None or all_reduce_dtype is not None:
+            sent = compressor if compressor is not None else repr(all_reduce_dtype)
+            raise ValueError(
+                f"{what} takes local steps without any gradient all-reduce, so "
+                f"gradient_compression={sent} has nothing to compress (the weights are "
+                "averaged exactly, in float32). Drop gradient_compression, or use "
+                "sync_every=1 and no outer_optimizer to compress synchronous training."
+            )
     if nonfinite is None and compressor is not None:
         raise ValueError(
             f"gradient_compression={compressor!r} needs tfdp's gradient reduction, "
@@ -137,13 +157,33 @@ class _SkipNonFinite:
 
     all_reduce_dtype: str | None = None
     compressor: compression.GradientCompressor | None = None
+    local_sync: local_sync_lib.LocalSync | None = None
     _pending_divisor = None
 
     @property
     def accepts_global_divisor(self) -> bool:
         """Whether `dividing_by_global` may be used: not under a compressor, whose
-        error memories must hold gradients already divided by the global count."""
-        return self.compressor is None
+        error memories must hold gradients already divided by the global count,
+        nor with local steps, which sum nothing."""
+        return self.compressor is None and self.local_sync is None
+
+    @property
+    def steps_locally(self) -> bool:
+        """Whether each replica applies its own gradients (local SGD / DiLoCo)."""
+        return self.local_sync is not None
+
+    def sync_pending(self) -> None:
+        """With local steps, synchronises the replicas' weights now if they differ (else nothing)."""
+        if self.local_sync is not None:
+            self.local_sync.sync_pending()
+
+    def _build_local_sync(self, var_list) -> None:
+        if self.local_sync is not None:
+            self.local_sync.build(self, var_list)
+            # An attribute of the wrapper, so that tf.train.Checkpoint tracks
+            # the outer optimizer's slots as it tracks the inner optimizer's.
+            if self.local_sync.outer_optimizer is not None:
+                self.outer_optimizer = self.local_sync.outer_optimizer
 
     @contextlib.contextmanager
     def dividing_by_global(self, local_divisor: tf.Tensor, local_scale: tf.Tensor):
@@ -205,7 +245,10 @@ class _SkipNonFinite:
         context = tf.distribute.get_replica_context()
         if context is None:
             raise ValueError(f"{type(self).__name__}.apply() must be called in a replica context.")
-        reduced = context.num_replicas_in_sync > 1
+        local = self.local_sync is not None
+        reduced = context.num_replicas_in_sync > 1 and not local
+        if local:
+            self.local_sync.before_step()
         divisor = self._pending_divisor
         if divisor is not None:
             divisor, scale = divisor
@@ -231,7 +274,7 @@ class _SkipNonFinite:
             self.compressor.commit(new_state, proceed)
 
         def apply_step(grads):
-            if reduced:
+            if reduced or local:
                 with keras_optimizer_reduction.gradients_already_reduced(self.inner_optimizer):
                     self._apply_finite(grads, variables)
             else:
@@ -239,19 +282,22 @@ class _SkipNonFinite:
 
         if keras_optimizer_internals.supports_no_merge_call():
             tf.cond(proceed, lambda: apply_step(grads), self._skip)
-            return
+        else:
+            def cross_replica(distribution, grads, proceed):
+                # Keras' update merge_calls, which cannot sit in a tf.cond in
+                # replica context: branch here, in cross-replica context.
+                # Equal on every replica unless they step locally: then this
+                # worker's replicas skip together if any of them must.
+                proceed = tf.reduce_all(tf.stack(distribution.experimental_local_results(proceed)))
+                tf.cond(
+                    proceed,
+                    lambda: distribution.extended.call_for_each_replica(apply_step, args=(grads,)),
+                    self._skip,
+                )
 
-        def cross_replica(distribution, grads, proceed):
-            # Keras' update merge_calls, which cannot sit in a tf.cond in
-            # replica context: branch here, in cross-replica context.
-            proceed = distribution.experimental_local_results(proceed)[0]
-            tf.cond(
-                proceed,
-                lambda: distribution.extended.call_for_each_replica(apply_step, args=(grads,)),
-                self._skip,
-            )
-
-        context.merge_call(cross_replica, args=(grads, proceed))
+            context.merge_call(cross_replica, args=(grads, proceed))
+        if local:
+            self.local_sync.after_step(context)
 
     def _compressed_sum(self, context, grads, variables):
         """`(estimated sums, new compressor state)` for `grads` of `variables`.
@@ -284,7 +330,7 @@ class _SkipNonFinite:
                                                  self.all_reduce_dtype),
                         [v.read_value() for v in self.compressor.state])
 
-            sums, new_state = _replica_cond(context, self.iterations < start_step, plain,
+            sums, new_state = replica_cond.replica_cond(context, self.iterations < start_step, plain,
                                             compressed, dense)
         else:
             sums, new_state = compressed(dense)
@@ -339,10 +385,13 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         name: str | None = None,
         all_reduce_dtype: str | None = None,
         compressor: compression.GradientCompressor | None = None,
+        local_sync: local_sync_lib.LocalSync | dict | None = None,
         **kwargs,
     ):
-        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
-        _check_compressor(compressor)
+        compressor = compressor_config.deserialize(compressor) if isinstance(compressor, dict) else compressor
+        local_sync = _local_sync_of(local_sync)
+        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype, compressor,
+                        local_sync)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
@@ -355,12 +404,14 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.all_reduce_dtype = all_reduce_dtype
         self.compressor = compressor
+        self.local_sync = local_sync
 
     def build(self, var_list):
         self._build_counters()
         self.inner_optimizer.build(var_list)
         if self.compressor is not None:
             self.compressor.build(var_list)
+        self._build_local_sync(var_list)
         super().build(var_list)
 
     def _apply_finite(self, grads, variables):
@@ -372,7 +423,8 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return keras_optimizer_internals.own_variables(self) + self.inner_optimizer.variables
+        return (keras_optimizer_internals.own_variables(self) + self.inner_optimizer.variables
+                + _outer_variables(self))
 
     @property
     def learning_rate(self):
@@ -402,6 +454,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
             "all_reduce_dtype": self.all_reduce_dtype,
             "compressor": compressor_config.serialize(self.compressor),
+            "local_sync": None if self.local_sync is None else self.local_sync.get_config(),
         }
 
     @classmethod
@@ -410,7 +463,6 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
-        config["compressor"] = compressor_config.deserialize(config.get("compressor"))
         return cls(inner, **config)
 
 
@@ -444,11 +496,13 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE,
         all_reduce_dtype: str | None = None,
         compressor: compression.GradientCompressor | None = None,
+        local_sync: local_sync_lib.LocalSync | dict | None = None,
         **kwargs,
     ):
-        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype)
-        _check_compressor(compressor)
         compressor = compressor_config.deserialize(compressor) if isinstance(compressor, dict) else compressor
+        local_sync = _local_sync_of(local_sync)
+        check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype, compressor,
+                        local_sync)
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
@@ -456,11 +510,13 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.all_reduce_dtype = all_reduce_dtype
         self.compressor = compressor
+        self.local_sync = local_sync
 
     def build(self, var_list):
         self._build_counters()
         if self.compressor is not None:
             self.compressor.build(var_list)
+        self._build_local_sync(var_list)
         super().build(var_list)
 
     def _compression_scale(self):
@@ -499,31 +555,28 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
     def get_config(self):
         return {**super().get_config(), "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
                 "all_reduce_dtype": self.all_reduce_dtype,
-                "compressor": compressor_config.serialize(self.compressor)}
+                "compressor": compressor_config.serialize(self.compressor),
+                "local_sync": None if self.local_sync is None else self.local_sync.get_config()}
+
+    @property
+    def variables(self):
+        return super().variables + _outer_variables(self)
 
 
-def _replica_cond(context, predicate, true_fn, false_fn, args):
-    """`tf.cond` between `true_fn(args)` and `false_fn(args)`, replica functions holding collectives.
+def _outer_variables(optimizer) -> list:
+    local_sync = optimizer.local_sync
+    return [] if local_sync is None else local_sync.outer_variables
 
-    `predicate` must be equal on every replica; each function reads its own
-    replica context. Under MirroredStrategy a collective inside a `tf.cond`
-    in replica context fails (its merge_call cannot sit in a nested graph),
-    so the branch is taken in cross-replica context and the chosen function
-    runs on every replica, as `_SkipNonFinite.apply` does for the update.
-    """
-    if keras_optimizer_internals.supports_no_merge_call():
-        return tf.cond(predicate, lambda: true_fn(args), lambda: false_fn(args))
 
-    def cross_replica(distribution, predicate, args):
-        predicate = distribution.experimental_local_results(predicate)[0]
-        return tf.cond(
-            predicate,
-            lambda: distribution.extended.call_for_each_replica(true_fn, args=(args,)),
-            lambda: distribution.extended.call_for_each_replica(false_fn, args=(args,)),
+def _local_sync_of(local_sync):
+    if isinstance(local_sync, dict):
+        return local_sync_lib.LocalSync.from_config(local_sync)
+    if local_sync is not None and not isinstance(local_sync, local_sync_lib.LocalSync):
+        raise ValueError(
+            "`local_sync` must be a tfdp.distribute.local_sync.LocalSync or None. "
+            f"Received: local_sync={local_sync!r}"
         )
-
-    # merge_call hands each replica its own part of the per-replica results.
-    return context.merge_call(cross_replica, args=(predicate, args))
+    return local_sync
 
 
 def _check_compressor(compressor) -> None:
@@ -542,6 +595,7 @@ def wrap_optimizer(
     loss_scaling: bool = False,
     all_reduce_dtype: str | None = None,
     compressor: compression.GradientCompressor | None = None,
+    local_sync: local_sync_lib.LocalSync | None = None,
 ):
     """The optimizer to train with, for a `nonfinite` mode.
 
@@ -561,6 +615,9 @@ def wrap_optimizer(
             with `nonfinite=None`.
         compressor: a `tfdp.compression` compressor the gradients are summed
             through instead; needs a wrapper too.
+        local_sync: a `tfdp.distribute.local_sync.LocalSync`: each replica
+            steps on its own gradients and the weights are synchronised
+            every `sync_every` steps (local SGD, DiLoCo); needs a wrapper.
 
     Returns:
         `NonFiniteLossScaleOptimizer` under loss scaling, else `NonFiniteGuard`
@@ -570,15 +627,21 @@ def wrap_optimizer(
         ValueError: an argument is invalid, or `all_reduce_dtype` is set with
             `nonfinite=None`.
     """
-    check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor)
+    check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor,
+                    local_sync)
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, _SkipNonFinite):
         if all_reduce_dtype is not None:
             optimizer.all_reduce_dtype = all_reduce_dtype
+        for name, value in (("gradient_compression", compressor), ("sync_every", local_sync)):
+            if value is not None and optimizer.built:
+                raise ValueError(f"Pass {name} before the optimizer is built.")
         if compressor is not None:
-            if optimizer.built:
-                raise ValueError("Pass gradient_compression before the optimizer is built.")
             optimizer.compressor = compressor
+        if local_sync is not None:
+            optimizer.local_sync = local_sync
+        check_arguments(nonfinite, max_consecutive_nonfinite, optimizer.all_reduce_dtype,
+                        optimizer.compressor, optimizer.local_sync)
         return optimizer
     loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if nonfinite is None:
@@ -586,17 +649,18 @@ def wrap_optimizer(
     limit = 1 if nonfinite == "raise" else max_consecutive_nonfinite
     if not loss_scaling:
         return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit,
-                              all_reduce_dtype=all_reduce_dtype, compressor=compressor)
+                              all_reduce_dtype=all_reduce_dtype, compressor=compressor,
+                              local_sync=local_sync)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return NonFiniteLossScaleOptimizer(
             optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name,
             max_consecutive_nonfinite=limit, all_reduce_dtype=all_reduce_dtype,
-            compressor=compressor,
+            compressor=compressor, local_sync=local_sync,
         )
     return NonFiniteLossScaleOptimizer(
         optimizer, name="loss_scale_optimizer", max_consecutive_nonfinite=limit,
-        all_reduce_dtype=all_reduce_dtype, compressor=compressor,
+        all_reduce_dtype=all_reduce_dtype, compressor=compressor, local_sync=local_sync,
     )
 
 

@@ -73,8 +73,10 @@ class ReplicaSteps:
         self.strategy = strategy
         self.batch = batch
         self._loss = norm_lib.SingleLoss(model, loss)
-        self._train_normalizer = norm_lib.Normalizer(
-            loss_normalization, batch.num_replicas, batch.accum_steps
+        guard = nonfinite_lib.guard_of(optimizer)
+        self._train_normalizer = train_step_lib.train_normalizer(
+            loss_normalization, batch.num_replicas, batch.accum_steps,
+            guard is not None and guard.steps_locally,
         )
         self._eval_normalizer = norm_lib.Normalizer(loss_normalization, batch.num_replicas, 1)
         self.loss_name = _loss_name(loss)

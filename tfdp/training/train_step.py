@@ -154,6 +154,15 @@ def global_micro_batch_counts(model, loss_source, normalizer, micro_batches, acc
                           local_counts)
 
 
+def train_normalizer(loss_normalization: str, num_replicas: int, accum_steps: int,
+                     steps_locally: bool = False) -> norm_lib.Normalizer:
+    """The train step's normaliser; with local steps (local SGD, DiLoCo) each replica's loss is
+    its own batch's mean, as on one device with that batch, with no collective."""
+    if steps_locally:
+        return norm_lib.Normalizer(norm_lib.PER_REPLICA, 1, accum_steps)
+    return norm_lib.Normalizer(loss_normalization, num_replicas, accum_steps)
+
+
 def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer: norm_lib.Normalizer,
                        accum_steps: int, data: Any, track: Track) -> None:
     """One optimizer step on one replica's share of a global batch (inside `strategy.run`).

@@ -40,6 +40,7 @@ from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import compression
 from tfdp.distribute import devices
+from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import batch as batch_lib
 from tfdp.training.batch import BatchConfig
@@ -140,6 +141,15 @@ class Trainer:
             a static batch and no mask); `"per_replica"`:
             each replica's mean, averaged, as stock Keras
             (`tfdp.training.loss_normalization`).
+        sync_every: with more than 1, local SGD: each replica applies its
+            own gradients (its loss normalised by its own counts) with no
+            gradient all-reduce, and the replicas' weights are averaged every
+            `sync_every` steps, at the end of every epoch, before every
+            checkpoint and evaluation, and at the end of `train`
+            (`tfdp.distribute.local_sync`). Defaults to 1: synchronous.
+        outer_optimizer: `None` (default), or a Keras optimizer for
+            DiLoCo's outer step at each synchronisation (e.g.
+            `tfdp.distribute.local_sync.diloco_outer_optimizer()`).
 
     Raises:
         ValueError: an argument is invalid, the batch does not match the
@@ -166,6 +176,8 @@ class Trainer:
         all_reduce_dtype: str | None = None,
         loss_normalization: str = "global",
         gradient_compression=None,
+        sync_every: int = 1,
+        outer_optimizer=None,
     ):
         norm_lib.check_mode(loss_normalization)
         all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
@@ -187,8 +199,9 @@ class Trainer:
         _checks.check_int("steps_per_loop", steps_per_loop)
         _checks.check_int("checkpoint_every", checkpoint_every, allow_none=True)
         _checks.check_int("max_to_keep", max_to_keep)
+        local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
         nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
-                                      compressor)
+                                      compressor, local_sync)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
@@ -235,6 +248,7 @@ class Trainer:
                 max_consecutive_nonfinite=max_consecutive_nonfinite,
                 loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
                 all_reduce_dtype=all_reduce_dtype, compressor=compressor,
+                local_sync=local_sync,
             )
             optimizer.build(model.trainable_variables)
         self.optimizer = optimizer
@@ -389,6 +403,8 @@ class Trainer:
                 loop_start = time.perf_counter()
                 self.train_loop_begin()
                 self._steps.train_loop(iterator, tf.constant(num))
+                if offset + num == steps_per_epoch:
+                    self._sync_pending()  # an epoch's last steps end a local window
                 self.train_loop_end()
                 logs = self._results(self._steps.train_loss, self._steps.train_metrics)  # syncs
                 elapsed = time.perf_counter() - loop_start
@@ -403,6 +419,7 @@ class Trainer:
                 self._position = global_step
                 if self._watcher is not None:  # every worker, after every call
                     self._watcher.step_end()
+        self._sync_pending()
         if self._checkpoints is not None and global_step > start_step:
             self._save(global_step)  # unless already saved at this step
         elapsed = time.perf_counter() - start_time
@@ -430,6 +447,7 @@ class Trainer:
         Returns:
             `{"loss": mean per-example loss, <metric names>: results}`.
         """
+        self._sync_pending()
         self._reset(self._steps.eval_loss, *self._steps.eval_metrics)
         if isinstance(dataset, tf.data.Dataset):
             dataset = self.strategy.experimental_distribute_dataset(dataset)
@@ -519,10 +537,16 @@ class Trainer:
         self._watcher.start()
         return self._watcher
 
+    def _sync_pending(self) -> None:
+        """With local steps (sync_every, outer_optimizer), synchronises the weights if they differ."""
+        if self._guard is not None:
+            self._guard.sync_pending()
+
     def _save(self, step: int):
         """Saves the checkpoint of `step` (a collective: every worker calls it)."""
         if self._checkpoints is None or step == self._last_saved_step:
             return  # no model_dir (checkpoint_every alone saves nothing), or saved
+        self._sync_pending()  # a checkpoint holds synchronised weights
         # Every worker holds the same weights, so all refuse alike.
         step_monitor.check_finite_before_save(
             [*self.model.weights, *self.optimizer.variables], step=step,

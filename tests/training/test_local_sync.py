@@ -1,0 +1,270 @@
+"""Local SGD and DiLoCo (`sync_every`, `outer_optimizer`) against a NumPy simulation.
+
+A linear model trained with mean squared error on 2 logical CPU replicas,
+through `tfdp.compile` + `fit` and through `tfdp.Trainer`, must equal a NumPy
+simulation of the algorithms (local SGD: Stich 2019; DiLoCo: Douillard et al.
+2023, Algorithm 1, with the paper's Nesterov outer step): each replica steps
+on its own half of every global batch with its own momentum, and every
+`sync_every` steps (and at the end of each epoch) the weights are averaged,
+or the outer optimizer steps from the last synchronised weights along
+`anchor − average`. The collectives are counted at run time: one all-reduce
+of the weights per window and none in between.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training.batch import BatchConfig
+
+import strategy_testing
+
+FEATURES = 5
+GLOBAL_BATCH = 8
+STEPS_PER_EPOCH = 5
+EPOCHS = 2
+INNER_LR = 0.05
+INNER_MOMENTUM = 0.5
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+TOLERANCE = 1e-5
+
+_rng = np.random.default_rng(3)
+X = _rng.normal(size=(GLOBAL_BATCH * STEPS_PER_EPOCH, FEATURES)).astype("float32")
+Y = (X @ _rng.normal(size=(FEATURES, 1)) + 0.3).astype("float32")
+INITIAL = [_rng.normal(size=(FEATURES, 1)).astype("float32"), np.zeros(1, "float32")]
+
+
+@pytest.fixture(scope="module")
+def two_replicas():
+    return tfdp.make_strategy(cpu_replicas=2)
+
+
+def dataset():
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH, drop_remainder=True)
+
+
+def linear_model():
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    model.set_weights(INITIAL)
+    return model
+
+
+def inner_optimizer():
+    return keras.optimizers.SGD(INNER_LR, momentum=INNER_MOMENTUM)
+
+
+def outer_optimizer(kind):
+    return None if kind is None else local_sync_lib.diloco_outer_optimizer(OUTER_LR, OUTER_MOMENTUM)
+
+
+def numpy_local_training(sync_every, diloco, epochs=EPOCHS, replicas=2):
+    """The weights `[kernel, bias]` after local SGD / DiLoCo, simulated in NumPy."""
+    features = np.concatenate([X, np.ones((len(X), 1), "float32")], axis=1).astype("float64")
+    start = np.concatenate([INITIAL[0].ravel(), INITIAL[1]]).astype("float64")
+    weights = [start.copy() for _ in range(replicas)]
+    momenta = [np.zeros_like(start) for _ in range(replicas)]  # never averaged
+    outer_momentum = np.zeros_like(start)
+    anchor = start.copy()
+    since_sync = 0
+
+    def synchronise():
+        nonlocal anchor, outer_momentum
+        average = sum(weights) / replicas
+        if diloco:
+            # Outer Nesterov SGD on the pseudo-gradient (PyTorch's form, as the paper).
+            pseudo_gradient = anchor - average
+            outer_momentum = OUTER_MOMENTUM * outer_momentum + pseudo_gradient
+            average = anchor - OUTER_LR * (pseudo_gradient + OUTER_MOMENTUM * outer_momentum)
+        anchor = average.copy()
+        for replica in range(replicas):
+            weights[replica] = average.copy()
+
+    share = GLOBAL_BATCH // replicas
+    for _ in range(epochs):
+        for step in range(STEPS_PER_EPOCH):
+            for replica in range(replicas):
+                rows = slice(step * GLOBAL_BATCH + replica * share,
+                             step * GLOBAL_BATCH + (replica + 1) * share)
+                error = features[rows] @ weights[replica] - Y[rows, 0]
+                gradient = 2.0 * features[rows].T @ error / share
+                momenta[replica] = INNER_MOMENTUM * momenta[replica] - INNER_LR * gradient
+                weights[replica] = weights[replica] + momenta[replica]
+            since_sync += 1
+            if since_sync == sync_every:
+                synchronise()
+                since_sync = 0
+        if since_sync:  # an epoch ends a window
+            synchronise()
+            since_sync = 0
+    return [weights[0][:-1].reshape(FEATURES, 1), weights[0][-1:]]
+
+
+def fit(strategy, sync_every, kind, epochs=EPOCHS, callbacks=()):
+    with strategy.scope():
+        model = linear_model()
+        tfdp.compile(model, optimizer=inner_optimizer(), loss="mse", sync_every=sync_every,
+                     outer_optimizer=outer_optimizer(kind))
+    model.fit(dataset(), epochs=epochs, verbose=0, callbacks=list(callbacks))
+    return model
+
+
+def train(strategy, sync_every, kind, model_dir=None, steps=EPOCHS * STEPS_PER_EPOCH,
+          checkpoint_every=None):
+    with strategy.scope():
+        model = linear_model()
+        optimizer = inner_optimizer()
+    trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategy,
+                           batch=BatchConfig.from_global(GLOBAL_BATCH, 2), model_dir=model_dir,
+                           checkpoint_every=checkpoint_every, sync_every=sync_every,
+                           outer_optimizer=outer_optimizer(kind))
+    trainer.train(dataset(), steps=steps)
+    return model, trainer
+
+
+def replica_copies(strategy, model):
+    """Each weight's value on every replica: `[weight][replica]`."""
+    return [[t.numpy() for t in strategy.experimental_local_results(getattr(v, "value", v))]
+            for v in model.weights]
+
+
+def assert_weights(model, expected, tolerance=TOLERANCE):
+    for got, want in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+CASES = [(2, None), (3, "diloco"), (1, "diloco"), (4, None)]
+
+
+@pytest.mark.parametrize("sync_every,kind", CASES)
+def test_fit_equals_numpy_simulation(two_replicas, sync_every, kind):
+    model = fit(two_replicas, sync_every, kind)
+    assert_weights(model, numpy_local_training(sync_every, kind is not None))
+    for copies in replica_copies(two_replicas, model):
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
+@pytest.mark.parametrize("sync_every,kind", CASES[:2])
+def test_trainer_equals_numpy_simulation(two_replicas, sync_every, kind):
+    model, _ = train(two_replicas, sync_every, kind)
+    assert_weights(model, numpy_local_training(sync_every, kind is not None))
+
+
+def test_sync_every_1_is_synchronous_training(two_replicas):
+    """`sync_every=1` without an outer optimizer takes the synchronous path: the same weights, bit for bit."""
+    local = fit(two_replicas, 1, None)
+    with two_replicas.scope():
+        plain = linear_model()
+        tfdp.compile(plain, optimizer=inner_optimizer(), loss="mse")
+    plain.fit(dataset(), epochs=EPOCHS, verbose=0)
+    for a, b in zip(local.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert not local.optimizer.steps_locally
+
+
+def test_replicas_drift_between_synchronisations(two_replicas):
+    """Within a window every replica holds its own weights; an epoch's end makes them equal."""
+    seen = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen[batch] = replica_copies(two_replicas, self.model)
+
+    model = fit(two_replicas, 100, None, epochs=1, callbacks=[Record()])
+    kernel_0, kernel_1 = seen[0][0]
+    assert np.abs(kernel_0 - kernel_1).max() > 1e-3
+    last = seen[STEPS_PER_EPOCH - 1]  # the sync runs before the user's callbacks
+    np.testing.assert_array_equal(last[0][0], last[0][1])
+    assert int(model.optimizer.local_sync.steps_since_sync.numpy()) == 0
+
+
+@pytest.mark.parametrize("sync_every,kind,windows", [(3, None, 2), (2, "diloco", 3), (5, None, 1)])
+def test_one_weight_all_reduce_per_window_and_none_between(sync_every, kind, windows):
+    """Counted at run time over one epoch of 5 steps: one all-reduce of all weights per window."""
+    strategy, (all_reduces, values, all_gathers) = strategy_testing.measuring_strategy(2)
+    fit(strategy, sync_every, kind, epochs=1)
+    assert int(all_reduces.numpy()) == windows
+    assert int(values.numpy()) == windows * (FEATURES + 1)
+    assert int(all_gathers.numpy()) == 0
+
+
+def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas, tmp_path):
+    """A checkpoint ends a window, so a run stopped there and resumed equals one that went on.
+
+    Plain SGD inside (no per-replica slots); DiLoCo's anchors, counter and
+    outer momentum are equal on every replica and checkpointed.
+    """
+    global inner_optimizer
+    saved = inner_optimizer
+    inner_optimizer = lambda: keras.optimizers.SGD(INNER_LR)  # noqa: E731
+    try:
+        straight, _ = train(two_replicas, 4, "diloco", model_dir=str(tmp_path / "a"),
+                            checkpoint_every=3)
+        train(two_replicas, 4, "diloco", model_dir=str(tmp_path / "b"), steps=3,
+              checkpoint_every=3)
+        resumed, trainer = train(two_replicas, 4, "diloco", model_dir=str(tmp_path / "b"),
+                                 checkpoint_every=3)
+    finally:
+        inner_optimizer = saved
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert trainer.global_step == EPOCHS * STEPS_PER_EPOCH
+    outer = trainer.optimizer.outer_optimizer
+    assert int(outer.iterations.numpy()) > 0
+
+
+def test_optimizer_config_round_trip():
+    guard = nonfinite_lib.NonFiniteGuard(
+        keras.optimizers.SGD(0.1),
+        local_sync=local_sync_lib.LocalSync(4, local_sync_lib.diloco_outer_optimizer()),
+    )
+    again = nonfinite_lib.NonFiniteGuard.from_config(guard.get_config())
+    assert again.local_sync.sync_every == 4
+    outer = again.local_sync.outer_optimizer
+    assert isinstance(outer, keras.optimizers.SGD) and outer.nesterov
+    assert float(outer.learning_rate) == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("sync_every", [0, -2, 1.5, "4", True])
+def test_sync_every_must_be_a_positive_integer(two_replicas, sync_every):
+    with two_replicas.scope(), pytest.raises(ValueError, match="`sync_every` must be a positive"):
+        tfdp.compile(linear_model(), optimizer="sgd", loss="mse", sync_every=sync_every)
+
+
+@pytest.mark.parametrize("compression", ["bfloat16", "powersgd"])
+def test_compression_with_local_steps_is_refused(two_replicas, compression):
+    if compression == "powersgd":
+        compression = tfdp.compression.PowerSGD(rank=2)
+    with two_replicas.scope(), pytest.raises(ValueError, match="nothing to compress"):
+        tfdp.compile(linear_model(), optimizer="sgd", loss="mse", sync_every=4,
+                     gradient_compression=compression)
+
+
+def test_local_steps_need_the_wrapper(two_replicas):
+    with two_replicas.scope(), pytest.raises(ValueError, match="sync_every=4 needs"):
+        tfdp.compile(linear_model(), optimizer="sgd", loss="mse", sync_every=4, nonfinite=None)
+    with two_replicas.scope():
+        model = linear_model()
+        optimizer = keras.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="with an outer_optimizer needs"):
+        tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=two_replicas,
+                     batch=BatchConfig.from_global(GLOBAL_BATCH, 2), nonfinite=None,
+                     outer_optimizer="sgd")
+
+
+def test_a_model_with_its_own_train_step_is_refused(two_replicas):
+    class Custom(keras.Sequential):
+        def train_step(self, data):  # pragma: no cover - never traced
+            return super().train_step(data)
+
+    with two_replicas.scope():
+        model = Custom([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+        with pytest.raises(ValueError, match="cannot take local steps"):
+            tfdp.compile(model, optimizer="sgd", loss="mse", sync_every=2,
+                         loss_normalization="per_replica")

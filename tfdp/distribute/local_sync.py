@@ -1,0 +1,188 @@
+"""Local SGD and DiLoCo: replicas step on their own, and meet every `sync_every` steps.
+
+Between synchronisations each replica applies its own gradients (of its own
+share of the batch, normalised by its own counts) with the inner optimizer:
+no gradient all-reduce at all. The replicas' copies of every weight and
+optimizer slot drift apart (each component of a `MirroredVariable` is
+updated on its own, as Keras' optimizer updates each one with that replica's
+gradient). Every `sync_every` steps the replicas all-reduce their weights in
+one batched collective (float32, exact) and then:
+
+- **local SGD** (`outer_optimizer=None`; Stich 2019, Lin et al. 2020): every
+  replica takes the average;
+- **DiLoCo** (Douillard et al. 2023, Algorithm 1): the pseudo-gradient
+  `anchor − average` (`anchor`: the weights at the previous
+  synchronisation) is applied to the anchor by the outer optimizer (SGD with
+  Nesterov momentum in the paper) on every replica alike.
+
+The inner optimizers' slots are never averaged (as in the paper). The step
+counter since the last synchronisation, the anchors and the outer optimizer's
+slots are equal on every replica and live in the wrapper's variables, so
+they are checkpointed with the optimizer.
+
+This module owns the synchronisation; `tfdp.training.nonfinite`'s wrappers
+call it after each local step, and `sync_pending` at the points where
+weights must be the same everywhere (ends of epochs, evaluation, saving).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdp._upstream import keras_optimizer_reduction
+from tfdp.distribute import reduction
+from tfdp.distribute import replica_cond
+
+
+def check_sync_every(sync_every) -> None:
+    """Raises ValueError unless `sync_every` is a positive integer."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(
+            "`sync_every` must be a positive integer: the local steps between two "
+            "synchronisations of the replicas' weights (1: synchronous training). "
+            f"Received: sync_every={sync_every!r}"
+        )
+
+
+def diloco_outer_optimizer(learning_rate: float = 0.7, momentum: float = 0.9):
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's lr 0.7, momentum 0.9)."""
+    return keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum, nesterov=True,
+                                name="outer_optimizer")
+
+
+def from_arguments(sync_every: int, outer_optimizer) -> "LocalSync | None":
+    """The `LocalSync` for the `sync_every` and `outer_optimizer` arguments; None when synchronous.
+
+    `sync_every=1` without an outer optimizer is synchronous training, and
+    takes exactly its path (one gradient all-reduce per step).
+    """
+    check_sync_every(sync_every)
+    if sync_every == 1 and outer_optimizer is None:
+        return None
+    return LocalSync(sync_every, outer_optimizer)
+
+
+class LocalSync:
+    """The synchronisation of replicas that train locally for `sync_every` steps.
+
+    Args:
+        sync_every: local optimizer steps between synchronisations (≥ 1).
+        outer_optimizer: `None` for local SGD (the replicas' weights are
+            averaged), or a Keras optimizer (instance or name) for DiLoCo's
+            outer step.
+    """
+
+    def __init__(self, sync_every: int, outer_optimizer=None):
+        check_sync_every(sync_every)
+        self.sync_every = sync_every
+        self.outer_optimizer = (None if outer_optimizer is None
+                                else keras.optimizers.get(outer_optimizer))
+        self.steps_since_sync = None
+        self.anchors: list = []
+        self._variables: list = []
+        self._sync_function = None
+        self._strategy = None
+
+    def __repr__(self) -> str:
+        return f"LocalSync(sync_every={self.sync_every}, outer_optimizer={self.outer_optimizer!r})"
+
+    def build(self, owner: keras.optimizers.Optimizer, variables: Sequence) -> None:
+        """Creates the counter (and DiLoCo's anchors and outer slots) as `owner`'s variables."""
+        self._variables = list(variables)
+        self._strategy = tf.distribute.get_strategy()  # build runs in the strategy's scope
+        # aggregation="none": every replica computes the same value and
+        # updates its own copy, without a collective.
+        self.steps_since_sync = owner.add_variable(
+            shape=(), dtype="int64", initializer="zeros", aggregation="none",
+            name="steps_since_sync",
+        )
+        if self.outer_optimizer is not None:
+            if not self.outer_optimizer.built:
+                # Made again here, inside the strategy's scope, whatever scope
+                # the user's instance was created in (its config is all it holds).
+                self.outer_optimizer = type(self.outer_optimizer).from_config(
+                    self.outer_optimizer.get_config())
+            self.anchors = [owner.add_variable_from_reference(v, "anchor") for v in variables]
+            self.outer_optimizer.build(self._variables)
+
+    @property
+    def outer_variables(self) -> list:
+        return [] if self.outer_optimizer is None else list(self.outer_optimizer.variables)
+
+    def before_step(self) -> None:
+        """At the start of a window, remembers the (synchronised) weights DiLoCo steps from."""
+        if not self.anchors:
+            return
+
+        def remember():
+            for anchor, variable in zip(self.anchors, self._variables):
+                anchor.assign(variable)
+            return tf.constant(True)
+
+        # No collective inside: a plain cond in replica context.
+        tf.cond(tf.equal(self.steps_since_sync, 0), remember, lambda: tf.constant(False))
+
+    def after_step(self, context: tf.distribute.ReplicaContext) -> None:
+        """Counts a local step; after `sync_every` of them, synchronises (in replica context)."""
+        self.steps_since_sync.assign_add(1)
+        replica_cond.replica_cond(context, self.steps_since_sync >= self.sync_every,
+                                  self._sync, _nothing)
+
+    def _sync(self, _=()):
+        context = tf.distribute.get_replica_context()
+        values = [tf.convert_to_tensor(v) for v in self._variables]
+        sums = reduction.all_reduce_sum(context, values)  # one batched, exact collective
+        means = [s / tf.cast(context.num_replicas_in_sync, s.dtype) for s in sums]
+        if self.outer_optimizer is None:
+            for variable, mean in zip(self._variables, means):
+                variable.assign(mean)
+        else:
+            pseudo_gradients = [anchor - mean for anchor, mean in zip(self.anchors, means)]
+            for variable, anchor in zip(self._variables, self.anchors):
+                variable.assign(anchor)
+            # The pseudo-gradients are already equal on every replica.
+            with keras_optimizer_reduction.gradients_already_reduced(self.outer_optimizer):
+                self.outer_optimizer.apply(pseudo_gradients, self._variables)
+        self.steps_since_sync.assign(0)
+        return tf.constant(True)
+
+    def sync_pending(self) -> None:
+        """Synchronises now if a local step was taken since the last synchronisation.
+
+        Call from outside `tf.function` on every worker at the same point
+        (ends of epochs, before evaluating or saving): it holds a collective
+        when the counter is above zero, which it is equally everywhere.
+        """
+        if self.steps_since_sync is None:
+            return  # not built: nothing was trained
+        if self._sync_function is None:
+            def replica_fn():
+                context = tf.distribute.get_replica_context()
+                replica_cond.replica_cond(context, self.steps_since_sync > 0, self._sync,
+                                          _nothing)
+
+            self._sync_function = tf.function(lambda: self._strategy.run(replica_fn))
+        self._sync_function()
+
+    def get_config(self) -> dict:
+        return {
+            "sync_every": self.sync_every,
+            "outer_optimizer": (None if self.outer_optimizer is None
+                                else keras.saving.serialize_keras_object(self.outer_optimizer)),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict | None):
+        if config is None:
+            return None
+        outer = config.get("outer_optimizer")
+        if isinstance(outer, dict):
+            outer = keras.saving.deserialize_keras_object(outer)
+        return cls(config["sync_every"], outer)
+
+
+def _nothing(_=()):
+    return tf.constant(False)

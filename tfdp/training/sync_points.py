@@ -1,0 +1,66 @@
+"""Where replicas that step locally (local SGD, DiLoCo) synchronise outside the train step.
+
+With `sync_every > 1` the replicas' weights differ between synchronisations
+(`tfdp.distribute.local_sync`). Whatever reads the weights as *the* model's
+must see them synchronised: evaluation, the end of an epoch (checkpoints,
+`summary.json`), the end of training. Under `tfdp.compile`, `model.fit`
+synchronises after the last batch of every epoch (before validation), again
+at the epoch's end when the number of batches is unknown, and at the end of
+training; `model.evaluate` synchronises first. `tfdp.Trainer` calls
+`sync_pending` itself at the same points. Each call synchronises only if a
+local step was taken since the last synchronisation (then one all-reduce of
+the weights), and every worker makes it at the same point.
+
+A window therefore ends at `sync_every` steps or at the end of the epoch,
+whichever comes first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+
+
+class SyncAtEpochEnd(keras.callbacks.Callback):
+    """Synchronises the replicas' weights after the last batch of each epoch and at the end of `fit`."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = (self.params or {}).get("steps")
+        if steps and batch + 1 >= steps:
+            self._optimizer.sync_pending()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._optimizer.sync_pending()
+
+    def on_train_end(self, logs=None):
+        self._optimizer.sync_pending()
+
+
+def _fit(model, *args, callbacks=None, **kwargs):
+    callbacks = [SyncAtEpochEnd(model.optimizer)] + list(callbacks or [])
+    return type(model).fit(model, *args, callbacks=callbacks, **kwargs)
+
+
+def _evaluate(model, *args, **kwargs):
+    model.optimizer.sync_pending()
+    return type(model).evaluate(model, *args, **kwargs)
+
+
+#: The `keras.Model` methods `install_fit_sync` shadows on the instance.
+METHODS = ("fit", "evaluate")
+
+
+def install_fit_sync(model: keras.Model) -> None:
+    """Makes `model.fit` and `model.evaluate` synchronise locally stepping replicas (see above).
+
+    Instance attributes shadow `Model.fit` and `Model.evaluate`; `fit` finds
+    `evaluate` on the instance when it validates. The SyncAtEpochEnd callback
+    comes first, so checkpoint callbacks see synchronised weights.
+    """
+    model.fit = functools.partial(_fit, model)
+    model.evaluate = functools.partial(_evaluate, model)
