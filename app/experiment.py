@@ -240,6 +240,7 @@ def train_and_evaluate(
             jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
             loss_normalization=config.loss_normalization,
             gradient_compression=config.gradient_compression_argument(),
+            sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
         )
 
         result = trainer.train(dataset_for_epoch, epochs=config.epochs,
@@ -366,6 +367,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
         loss_normalization=config.loss_normalization,
         gradient_compression=config.gradient_compression_argument(),
+        sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
     )
     total_steps = config.epochs * steps_per_epoch
     if config.model_dir and _restore_finished_run(config, model, info, total_steps):

@@ -64,6 +64,9 @@ class RunConfig:
         `tfdp.training.loss_normalization`),
         gradient_compression ("none", "bfloat16", "powersgd" with
         compression_rank, "topk" with topk_fraction; `tfdp.compression`),
+        sync_every (local SGD: optimizer steps between averages of the
+        weights; 1: synchronous), outer_lr and outer_momentum (DiLoCo's
+        Nesterov outer step at each synchronisation; `tfdp.distribute.local_sync`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only).
     """
@@ -105,6 +108,9 @@ class RunConfig:
     gradient_compression: str = "none"
     compression_rank: int = 4
     topk_fraction: float = 0.01
+    sync_every: int = 1
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     model_dir: str | None = None
     checkpoint_every: int | None = None
 
@@ -136,6 +142,7 @@ class RunConfig:
                 or not 0 < self.topk_fraction <= 1):
             raise ConfigError("--topk_fraction must be in (0, 1] (the share of gradient values "
                               f"each replica sends). Received: --topk_fraction={self.topk_fraction!r}")
+        self._validate_local_steps()
         if self.gradient_compression == "bfloat16" and self.all_reduce_dtype not in (None, "bfloat16"):
             raise ConfigError("--gradient_compression=bfloat16 and --all_reduce_dtype="
                               f"{self.all_reduce_dtype} disagree; pass only --gradient_compression.")
@@ -190,6 +197,41 @@ class RunConfig:
                 "--checkpoint_every needs --model_dir (where checkpoints go). "
                 f"Received: --checkpoint_every={self.checkpoint_every} without --model_dir"
             )
+
+    def _validate_local_steps(self) -> None:
+        _positive("sync_every", self.sync_every, hint=" (1: synchronous training)")
+        if self.outer_lr is not None and (
+                isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float))
+                or not 0 < self.outer_lr < float("inf")):
+            raise ConfigError("--outer_lr must be a positive number (DiLoCo's outer learning "
+                              f"rate; the paper uses 0.7). Received: --outer_lr={self.outer_lr!r}")
+        if self.outer_momentum is not None:
+            if self.outer_lr is None:
+                raise ConfigError("--outer_momentum needs --outer_lr (DiLoCo's outer step). "
+                                  f"Received: --outer_momentum={self.outer_momentum} alone")
+            if not 0 <= self.outer_momentum < 1:
+                raise ConfigError("--outer_momentum must be in [0, 1) (the paper uses 0.9). "
+                                  f"Received: --outer_momentum={self.outer_momentum!r}")
+        local = self.sync_every > 1 or self.outer_lr is not None
+        if local and (self.gradient_compression != "none" or self.all_reduce_dtype is not None):
+            flag = (f"--gradient_compression={self.gradient_compression}"
+                    if self.gradient_compression != "none"
+                    else f"--all_reduce_dtype={self.all_reduce_dtype}")
+            raise ConfigError(
+                f"{flag} cannot be combined with --sync_every={self.sync_every}"
+                + (" and --outer_lr" if self.outer_lr is not None else "")
+                + ": local steps make no gradient all-reduce to compress (the weights are "
+                "averaged exactly). Drop one of them. Received: "
+                f"{flag}, --sync_every={self.sync_every}, --outer_lr={self.outer_lr}")
+
+    def outer_optimizer_argument(self):
+        """What `tfdp.compile` / `Trainer` take as `outer_optimizer`: DiLoCo's, or None. Call in the strategy's scope."""
+        if self.outer_lr is None:
+            return None
+        from tfdp.distribute import local_sync  # pylint: disable=import-outside-toplevel
+
+        momentum = 0.9 if self.outer_momentum is None else self.outer_momentum
+        return local_sync.diloco_outer_optimizer(self.outer_lr, momentum)
 
     def gradient_compression_argument(self):
         """What `tfdp.compile` / `Trainer` take as `gradient_compression` for these flags."""

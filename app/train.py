@@ -100,6 +100,14 @@ flags.DEFINE_integer("compression_rank", _D.compression_rank,
                      "PowerSGD's rank (with --gradient_compression=powersgd).")
 flags.DEFINE_float("topk_fraction", _D.topk_fraction, "Share of gradient values each replica "
                    "sends per step (with --gradient_compression=topk).")
+flags.DEFINE_integer("sync_every", _D.sync_every, "Local SGD: each replica steps on its own "
+                     "gradients (no gradient all-reduce) and the weights are averaged every N "
+                     "optimizer steps and at each epoch's end; 1: synchronous training.")
+flags.DEFINE_float("outer_lr", None, "DiLoCo: at each synchronisation an outer Nesterov SGD step "
+                   "with this learning rate (0.7 in the paper) from the last synchronised weights "
+                   "along their difference with the average; unset: plain averaging.")
+flags.DEFINE_float("outer_momentum", None, "DiLoCo's outer Nesterov momentum (with --outer_lr; "
+                   "default 0.9, as in the paper).")
 flags.DEFINE_enum("loss_normalization", _D.loss_normalization, run_config.LOSS_NORMALIZATIONS,
                   "global: the loss of the global batch as one device computes it (masks, "
                   "weights, every reduction); per_replica: each replica's mean, averaged, as "

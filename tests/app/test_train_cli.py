@@ -54,6 +54,23 @@ def test_gradient_compression_flags_build_the_compressor(parse_flags, flags, exp
     assert repr(train_cli.config_from_flags().gradient_compression_argument()) == expected
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ((), None),
+    (("--sync_every=8",), None),
+    (("--sync_every=16", "--outer_lr=0.7"), (0.7, 0.9)),
+    (("--outer_lr=0.5", "--outer_momentum=0.8"), (0.5, 0.8)),
+])
+def test_local_step_flags_build_the_outer_optimizer(parse_flags, flags, expected):
+    parse_flags(*flags)
+    config = train_cli.config_from_flags()
+    outer = config.outer_optimizer_argument()
+    if expected is None:
+        assert outer is None
+    else:
+        assert outer.nesterov
+        assert (float(outer.learning_rate), outer.momentum) == pytest.approx(expected)
+
+
 def test_flags_map_onto_run_config(parse_flags):
     parse_flags("--model=mlp", "--per_replica_batch=16", "--accum_steps=2", "--optimizer=lars",
                 "--loop=custom", "--warmup_epochs=0.5", "--cpu_replicas=2",

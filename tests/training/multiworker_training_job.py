@@ -239,13 +239,16 @@ def count_all_reduces(strategy):
 
 
 def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
-              steps_per_execution=1, jit_compile=False, gradient_compression=None):
+              steps_per_execution=1, jit_compile=False, gradient_compression=None,
+              sync_every=1, make_outer_optimizer=None):
     """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`."""
     with strategy.scope():
         model = build_model()
         tfdp.compile(model, optimizer=make_optimizer(), loss=loss(), metrics=["accuracy"],
                      accum_steps=accum_steps, steps_per_execution=steps_per_execution,
-                     jit_compile=jit_compile, gradient_compression=gradient_compression)
+                     jit_compile=jit_compile, gradient_compression=gradient_compression,
+                     sync_every=sync_every,
+                     outer_optimizer=make_outer_optimizer and make_outer_optimizer())
     from tfdp.training import nonfinite
     from tfdp._upstream import loss_scale
 
@@ -419,6 +422,29 @@ def _compression_cases(tfdp, strategy, counter):
     return results
 
 
+def diloco_outer_optimizer():
+    from tfdp.distribute import local_sync
+
+    return local_sync.diloco_outer_optimizer(0.7, 0.9)
+
+
+#: name -> (sync_every, outer optimizer factory, accum_steps, syncs in one epoch) of the
+#: local SGD / DiLoCo fit cases (6 steps: a window also ends with the epoch).
+LOCAL_CASES = {
+    "local_sgd": (4, None, 1, 2),
+    "diloco": (2, diloco_outer_optimizer, ACCUM_STEPS, 3),
+}
+
+
+def _local_cases(tfdp, strategy, counter):
+    results = {}
+    for name, (sync_every, make_outer, accum_steps, _) in LOCAL_CASES.items():
+        results.update(_fit_case(tfdp, strategy, counter, name, make_optimizer=optimizer,
+                                 accum_steps=accum_steps, sync_every=sync_every,
+                                 make_outer_optimizer=make_outer))
+    return results
+
+
 def main(out_dir: str) -> None:
     import tfdp
 
@@ -445,6 +471,7 @@ def main(out_dir: str) -> None:
     timed("trainer", _trainer_cases, tfdp, strategy, counter, out_dir)
     timed("loss_forms", _loss_form_cases, tfdp, strategy)
     timed("compression", _compression_cases, tfdp, strategy, counter)
+    timed("local", _local_cases, tfdp, strategy, counter)
     results["scratch_created"] = len(scratch)
     results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
     timed("jit", _jit_case, tfdp, strategy, counter)

@@ -199,6 +199,31 @@ def test_compressed_training_on_two_workers_keeps_the_workers_identical(workers,
     assert int(first[f"{name}_grad_allreduces"]) == expected
 
 
+@pytest.mark.parametrize("name", list(job.LOCAL_CASES))
+def test_local_steps_on_two_workers_equal_two_replicas_in_one_process(workers, name):
+    """Local SGD / DiLoCo across processes (no merge_call) equal the same on 2 logical replicas.
+
+    The logical-replica path is checked against a NumPy simulation in
+    tests/training/test_local_sync.py; here each worker must end with the
+    same synchronised weights, after one all-reduce of the weights per
+    window and none between.
+    """
+    import tfdp
+
+    sync_every, make_outer, accum_steps, syncs = job.LOCAL_CASES[name]
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    with strategy.scope():
+        model = job.build_model()
+        tfdp.compile(model, optimizer=job.optimizer(), loss=job.loss(), accum_steps=accum_steps,
+                     sync_every=sync_every, outer_optimizer=make_outer and make_outer())
+    model.fit(job.global_batches(), epochs=1, verbose=0)
+    _, records = workers
+    for record in records:
+        assert int(record[f"{name}_iterations"]) == job.STEPS_PER_EPOCH
+        _assert_weights(record, name, model.get_weights(), atol=1e-5)
+        assert int(record[f"{name}_grad_allreduces"]) == syncs
+
+
 def test_the_all_reduce_counter_counts_every_loop_iteration(workers):
     # Negative control: an all-reduce inside a tf.while_loop in replica
     # context, where the accumulation loop must not put one, runs and is

@@ -105,7 +105,13 @@ class LocalSync:
                 # the user's instance was created in (its config is all it holds).
                 self.outer_optimizer = type(self.outer_optimizer).from_config(
                     self.outer_optimizer.get_config())
-            self.anchors = [owner.add_variable_from_reference(v, "anchor") for v in variables]
+            # add_variable (not add_variable_from_reference, which enters the
+            # scope the owner was made in): the current strategy's scope.
+            self.anchors = [
+                owner.add_variable(shape=v.shape, dtype=v.dtype, initializer="zeros",
+                                   aggregation="none", name=f"{_name(v)}_anchor")
+                for v in variables
+            ]
             self.outer_optimizer.build(self._variables)
 
     @property
@@ -129,11 +135,17 @@ class LocalSync:
         """Counts a local step; after `sync_every` of them, synchronises (in replica context)."""
         self.steps_since_sync.assign_add(1)
         replica_cond.replica_cond(context, self.steps_since_sync >= self.sync_every,
-                                  self._sync, _nothing)
+                                  self._sync, _nothing, self._values())
 
-    def _sync(self, _=()):
+    def _values(self) -> list:
+        # Read in replica context, outside the branch, by tf.identity: under
+        # MultiWorkerMirroredStrategy tf.convert_to_tensor of the variables
+        # gives tensors with no device, which the all-reduce refuses
+        # ("destinations can not be empty").
+        return [tf.identity(v) for v in self._variables]
+
+    def _sync(self, values):
         context = tf.distribute.get_replica_context()
-        values = [tf.convert_to_tensor(v) for v in self._variables]
         sums = reduction.all_reduce_sum(context, values)  # one batched, exact collective
         means = [s / tf.cast(context.num_replicas_in_sync, s.dtype) for s in sums]
         if self.outer_optimizer is None:
@@ -147,7 +159,6 @@ class LocalSync:
             with keras_optimizer_reduction.gradients_already_reduced(self.outer_optimizer):
                 self.outer_optimizer.apply(pseudo_gradients, self._variables)
         self.steps_since_sync.assign(0)
-        return tf.constant(True)
 
     def sync_pending(self) -> None:
         """Synchronises now if a local step was taken since the last synchronisation.
@@ -162,7 +173,7 @@ class LocalSync:
             def replica_fn():
                 context = tf.distribute.get_replica_context()
                 replica_cond.replica_cond(context, self.steps_since_sync > 0, self._sync,
-                                          _nothing)
+                                          _nothing, self._values())
 
             self._sync_function = tf.function(lambda: self._strategy.run(replica_fn))
         self._sync_function()
@@ -184,5 +195,9 @@ class LocalSync:
         return cls(config["sync_every"], outer)
 
 
+def _name(variable) -> str:
+    return getattr(variable, "path", variable.name).replace("/", "_").replace(":", "_")
+
+
 def _nothing(_=()):
-    return tf.constant(False)
+    return None

@@ -35,6 +35,7 @@ from absl import logging
 from tfdp import _checks
 from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
+from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import strategy_info as strategy_info_lib
@@ -426,6 +427,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Saves the current state (a collective: every worker must call it)."""
         if self._step == self._last_saved_step:  # nothing new (or just restored)
             return
+        guard = nonfinite_lib.guard_of(self.model.optimizer)
+        if guard is not None:
+            guard.sync_pending()  # local steps (sync_every): a checkpoint ends a window
         values = {
             "epoch": self._epoch,
             "batch": self._batch,
