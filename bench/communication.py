@@ -19,12 +19,20 @@ It does not measure time to accuracy (not built yet) or the MLP.
 
 from __future__ import annotations
 
-TFDP_PATHS = ("tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk")
+TFDP_PATHS = ("tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk",
+              "tfdp_fit_local_sgd", "tfdp_fit_diloco")
+#: Steps between synchronisations of the local-step paths (`tfdp.bench.throughput`'s spec).
+SYNC_EVERY = {"local_sgd": 8, "diloco": 16}
 DDP_HOOKS = ("fp16", "powersgd")
 
 
-def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -> int:
-    """Bytes one worker contributes to the gradient collectives per step, on the CNN."""
+def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -> float:
+    """Bytes one worker contributes to the gradient (or weight) collectives per step, on the CNN.
+
+    Local steps send the float32 weights once per window (`SYNC_EVERY`), the
+    cost per step is that over the window; a window also ends with each
+    timed call (an epoch), which this average leaves out.
+    """
     import tfdp
     from tfdp.bench import workloads
 
@@ -38,11 +46,14 @@ def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -
         return 4 * tfdp.compression.PowerSGD(rank=rank).values_sent(variables)
     if compression == "topk":
         return 4 * tfdp.compression.TopK(fraction=fraction).values_sent(variables)
+    if compression in SYNC_EVERY:
+        return 4 * values / SYNC_EVERY[compression]
     raise ValueError(f"Unknown compression {compression!r}.")
 
 
 _TFDP_COMPRESSION = {"tfdp_fit": "none", "tfdp_fit_bf16": "bfloat16",
-                     "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk"}
+                     "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
+                     "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
 _DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd"}  # 2 B/value
 
 

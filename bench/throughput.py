@@ -30,6 +30,12 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
 - `tfdp_fit_powersgd`, `tfdp_fit_topk`: `tfdp_fit` with
   `gradient_compression=tfdp.compression.PowerSGD(rank=spec["compression_rank"])`
   or `TopK(fraction=spec["topk_fraction"])` (`tfdp.compression`);
+- `tfdp_fit_local_sgd`, `tfdp_fit_diloco`: `tfdp_fit` with local steps and
+  no gradient all-reduce: `sync_every=spec["local_sgd_sync_every"]` (the
+  weights averaged), or `sync_every=spec["diloco_sync_every"]` with DiLoCo's
+  outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9;
+  `tfdp.distribute.local_sync`). Each timed `fit` call is one epoch, which
+  also ends a window;
 - `trainer`: `tfdp.Trainer(..., steps_per_loop=N)`, with an accuracy metric;
 - `loop_1`: a hand-written loop, one `strategy.run` step per `tf.function`
   call, no metrics;
@@ -54,7 +60,7 @@ import time
 from typing import Callable
 
 PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica",
-         "tfdp_fit_powersgd", "tfdp_fit_topk", "trainer", "loop_1", "loop_n",
+         "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
 #: How the hand-written loops exchange gradients (see the module docstring).
@@ -71,6 +77,8 @@ _DEFAULTS = {
     "learning_rate": 0.01,
     "compression_rank": 4,
     "topk_fraction": 0.01,
+    "local_sgd_sync_every": 8,
+    "diloco_sync_every": 16,
 }
 
 
@@ -110,6 +118,7 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
                 mark: Callable[[], None], all_reduce_dtype: str | None = None,
                 loss_normalization: str = "global",
                 compression: str | None = None) -> Callable[[int], None]:
+    """`run(steps)`: `steps` steps of `model.fit`; `compression` also names the local-step paths."""
     import keras
     import tfdp
     from tfdp.bench import workloads
@@ -124,9 +133,17 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
                 compressor = tfdp.compression.PowerSGD(rank=spec["compression_rank"])
             elif compression == "topk":
                 compressor = tfdp.compression.TopK(fraction=spec["topk_fraction"])
+            local = {}
+            if compression == "local_sgd":
+                local = dict(sync_every=spec["local_sgd_sync_every"])
+            elif compression == "diloco":
+                from tfdp.distribute import local_sync
+
+                local = dict(sync_every=spec["diloco_sync_every"],
+                             outer_optimizer=local_sync.diloco_outer_optimizer(0.7, 0.9))
             tfdp.compile(model, all_reduce_dtype=all_reduce_dtype,
                          loss_normalization=loss_normalization,
-                         gradient_compression=compressor, **arguments)
+                         gradient_compression=compressor, **local, **arguments)
         else:
             model.compile(**arguments)
 
@@ -266,7 +283,7 @@ def _runner(path, strategy, dataset, spec, mark):
             steps_per_execution=1 if path == "keras_fit" else spec["steps_per_execution"],
             all_reduce_dtype="bfloat16" if path == "tfdp_fit_bf16" else None,
             loss_normalization="per_replica" if path == "tfdp_fit_per_replica" else "global",
-            compression={"tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk"}.get(path),
+            compression=_COMPRESSION_OF_PATH.get(path),
         )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec, mark=mark)
@@ -274,6 +291,10 @@ def _runner(path, strategy, dataset, spec, mark):
         return _loop_runner(strategy, dataset, spec, mark=mark, exchange=_EXCHANGES[path],
                             steps_per_call=_steps_per_call(path, spec))
     return _input_runner(strategy, dataset, spec, mark=mark)
+
+
+_COMPRESSION_OF_PATH = {"tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
+                        "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
 
 
 def _steps_per_call(path: str, spec: dict) -> int:

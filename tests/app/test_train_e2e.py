@@ -59,3 +59,27 @@ def test_large_batch_lars_with_linear_scaling_and_warmup(tmp_path, data_dir):
     assert summary["eval"]["accuracy"] >= TARGET_ACCURACY, result.describe()
     assert summary["batch"]["global"] == 256
     assert summary["learning_rate"] == pytest.approx(1.0 * 256 / 64)
+
+
+#: (flags, loop) of the communication-saving methods that must still reach the target.
+COMMUNICATION_RUNS = {
+    "powersgd_rank2": (("--gradient_compression=powersgd", "--compression_rank=2"), "fit"),
+    "topk_1_percent": (("--gradient_compression=topk", "--topk_fraction=0.01"), "custom"),
+    "local_sgd_h8": (("--sync_every=8",), "fit"),
+    # 10 epochs of 22 steps are 20 outer steps: the paper's outer momentum 0.9
+    # (tuned for thousands) overshoots here (0.947 with the custom loop).
+    "diloco_h16": (("--sync_every=16", "--outer_lr=0.7", "--outer_momentum=0.5"), "custom"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMMUNICATION_RUNS))
+def test_communication_methods_reach_target_accuracy_on_two_workers(tmp_path, data_dir, name):
+    """The main command with each way of sending less still reaches the README's accuracy."""
+    flags, loop = COMMUNICATION_RUNS[name]
+    result, summary = _tfdp_train(tmp_path, data_dir, f"--loop={loop}", *flags)
+    assert summary["eval"]["accuracy"] >= TARGET_ACCURACY, result.describe()
+    assert summary["strategy"]["num_workers"] == 2
+    for flag in flags:
+        key, value = flag[2:].split("=")
+        assert str(summary["config"][key]) == value
