@@ -5,6 +5,8 @@ read, such as a batch-norm statistic, joins a collective), but only the chief
 may write to `model_dir`: other workers write into a temporary directory and
 delete it straight after, as tf-keras' `distribute/distributed_file_utils.py`
 does. This module owns that rule; what goes into a checkpoint is the caller's.
+State that differs per replica (`tfdp.training.replica_state`) is the
+exception: every worker writes its own file of it at each save.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ class ChiefCheckpointManager:
         directory: where the chief keeps checkpoints.
         is_chief: whether this worker owns `directory`.
         max_to_keep: checkpoints the chief keeps. Defaults to 3.
+        replica_state: every worker's per-replica state
+            (`tfdp.training.replica_state.ReplicaStateFiles`), saved and
+            restored with each checkpoint; `None` for none.
     """
 
     def __init__(
-        self, checkpoint: tf.train.Checkpoint, directory: str, *, is_chief: bool, max_to_keep: int = 3
+        self, checkpoint: tf.train.Checkpoint, directory: str, *, is_chief: bool, max_to_keep: int = 3,
+        replica_state=None,
     ):
         self._checkpoint = checkpoint
+        self.replica_state = replica_state
         self._directory = directory
         self._is_chief = is_chief
         self._manager = (
@@ -49,6 +56,9 @@ class ChiefCheckpointManager:
 
     def save(self, step: int) -> str | None:
         """Saves on every worker; returns the chief's checkpoint path (`None` elsewhere)."""
+        if self.replica_state is not None:
+            # First, so that a checkpoint the chief completed has every worker's file.
+            self.replica_state.save(step)
         if self._is_chief:
             return self._manager.save(checkpoint_number=step)
         scratch = tempfile.mkdtemp(prefix="tfdp-worker-checkpoint-")
@@ -89,6 +99,10 @@ class ChiefCheckpointManager:
             status.assert_existing_objects_matched()
         except AssertionError as error:
             raise self._mismatch(latest, error) from error
+        if self.replica_state is not None:
+            from tfdp.training import replica_state  # pylint: disable=import-outside-toplevel
+
+            self.replica_state.restore(replica_state.step_of(latest))
         return latest
 
     @staticmethod

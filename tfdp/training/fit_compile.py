@@ -182,8 +182,8 @@ def compile(  # pylint: disable=redefined-builtin
             Defaults to 1: synchronous training.
         outer_optimizer: `None` (default), or a Keras optimizer for
             DiLoCo's outer step at each synchronisation (e.g.
-            `tfdp.distribute.local_sync.diloco_outer_optimizer()`: SGD, lr
-            0.7, Nesterov momentum 0.9, as in the paper). Not with
+            `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
+            paper's). Not with
             `gradient_compression`.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 

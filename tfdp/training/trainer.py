@@ -35,6 +35,7 @@ from tfdp import _checks
 from tfdp.training import checkpointing
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import replica_state
 from tfdp.training import replica_steps
 from tfdp.training import step_monitor
 from tfdp.distribute import preemption
@@ -149,7 +150,8 @@ class Trainer:
             (`tfdp.distribute.local_sync`). Defaults to 1: synchronous.
         outer_optimizer: `None` (default), or a Keras optimizer for
             DiLoCo's outer step at each synchronisation (e.g.
-            `tfdp.distribute.local_sync.diloco_outer_optimizer()`).
+            `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
+            paper's).
 
     Raises:
         ValueError: an argument is invalid, the batch does not match the
@@ -269,7 +271,10 @@ class Trainer:
         if model_dir is not None:
             self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
             self._checkpoints = checkpointing.ChiefCheckpointManager(
-                self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep
+                self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep,
+                replica_state=replica_state.ReplicaStateFiles(
+                    model_dir, strategy, lambda: replica_state.variables_of(optimizer),
+                    max_to_keep=max_to_keep),
             )
             if self.info.is_chief:
                 self._summary_writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))

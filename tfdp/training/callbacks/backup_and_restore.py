@@ -36,6 +36,7 @@ from tfdp import _checks
 from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import replica_state
 from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import strategy_info as strategy_info_lib
@@ -166,6 +167,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._progress: dict[str, tf.Variable] = {}
         self._training = False
         self._watcher = None
+        self._manager = None
         keras_fit_resume.install()
 
     # --- the input ------------------------------------------------------------
@@ -258,7 +260,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         self._checkpoint = self._make_checkpoint()
         self._manager = checkpointing.ChiefCheckpointManager(
-            self._checkpoint, self.backup_dir, is_chief=self._info.is_chief, max_to_keep=2
+            self._checkpoint, self.backup_dir, is_chief=self._info.is_chief, max_to_keep=2,
+            replica_state=replica_state.ReplicaStateFiles(
+                self.backup_dir, strategy,
+                lambda: replica_state.variables_of(self.model.optimizer), max_to_keep=2),
         )
         epoch, batch = self._restore()
         self._resume = (epoch, batch)
@@ -311,8 +316,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._watcher.stop()
             self._watcher = None
         keras_fit_resume.clear_initial_epoch(self.model)
-        if self.delete_checkpoint and self._info.is_chief:
-            self._delete_backup()
+        if self.delete_checkpoint:
+            # Every worker its own per-replica files; the chief the rest.
+            if self._manager is not None and self._manager.replica_state is not None:
+                self._manager.replica_state.delete()
+            if self._info.is_chief:
+                self._delete_backup()
 
     # --- helpers -----------------------------------------------------------------
 
@@ -474,11 +483,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         ours = tf.io.gfile.glob(os.path.join(directory, "ckpt-*"))
         ours.append(os.path.join(directory, "checkpoint"))
+        ours.append(os.path.join(directory, replica_state.SUBDIRECTORY))
         for path in ours:
-            if tf.io.gfile.isdir(path):
-                tf.io.gfile.rmtree(path)
-            elif tf.io.gfile.exists(path):
-                tf.io.gfile.remove(path)
+            try:
+                if tf.io.gfile.isdir(path):
+                    tf.io.gfile.rmtree(path)
+                elif tf.io.gfile.exists(path):
+                    tf.io.gfile.remove(path)
+            except tf.errors.NotFoundError:
+                pass  # per-replica files another worker removed meanwhile
         if tf.io.gfile.listdir(directory):
             logging.warning(
                 "tfdp BackupAndRestore: deleted the backup but kept %s, which holds "
