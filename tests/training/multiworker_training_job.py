@@ -445,6 +445,43 @@ def _local_cases(tfdp, strategy, counter):
     return results
 
 
+#: name -> Trainer arguments of the per-replica-state resume cases.
+RESUME_CASES = {
+    "topk_resume": lambda tfdp: dict(gradient_compression=tfdp.compression.TopK(fraction=0.05)),
+    "local_resume": lambda tfdp: dict(sync_every=3),
+}
+
+
+def _resume_cases(tfdp, strategy, out_dir):
+    """Trainer with per-replica state (error memories, local momentum), stopped and resumed."""
+    import keras
+
+    results = {}
+    for name, arguments in RESUME_CASES.items():
+        def make(directory):
+            with strategy.scope():
+                model = build_model()
+                opt = keras.optimizers.SGD(LEARNING_RATE, momentum=0.9)
+            batch = tfdp.BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync)
+            return tfdp.Trainer(model, optimizer=opt, loss=loss(), strategy=strategy,
+                                batch=batch, model_dir=directory, checkpoint_every=RESUME_AT,
+                                **arguments(tfdp))
+
+        straight = make(os.path.join(out_dir, f"{name}_straight"))
+        straight.train(global_batches, steps=TOTAL_STEPS)
+        directory = os.path.join(out_dir, f"{name}_resumed")
+        make(directory).train(global_batches, steps=RESUME_AT)
+        resumed = make(directory)
+        resumed.train(global_batches, steps=TOTAL_STEPS)
+        results[f"{name}_difference"] = max(
+            float(np.abs(a - b).max())
+            for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()))
+        results[f"{name}_steps"] = resumed.global_step
+        results[f"{name}_files"] = np.array(sorted(os.listdir(
+            os.path.join(directory, "replica_state", f"ckpt-{RESUME_AT}"))), dtype=str)
+    return results
+
+
 def main(out_dir: str) -> None:
     import tfdp
 
@@ -474,6 +511,8 @@ def main(out_dir: str) -> None:
     timed("local", _local_cases, tfdp, strategy, counter)
     results["scratch_created"] = len(scratch)
     results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
+    # After the scratch count above: these Trainers save more.
+    timed("resume", _resume_cases, tfdp, strategy, out_dir)
     timed("jit", _jit_case, tfdp, strategy, counter)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     sys.stdout.flush()

@@ -224,6 +224,16 @@ def test_local_steps_on_two_workers_equal_two_replicas_in_one_process(workers, n
         assert int(record[f"{name}_grad_allreduces"]) == syncs
 
 
+@pytest.mark.parametrize("name", list(job.RESUME_CASES))
+def test_per_replica_state_resumes_exactly_on_two_workers(workers, name):
+    """Each worker writes and reads back its own error memories / momentum: resume is exact."""
+    _, records = workers
+    for record in records:
+        assert int(record[f"{name}_steps"]) == job.TOTAL_STEPS
+        assert float(record[f"{name}_difference"]) == 0.0
+    assert list(records[0][f"{name}_files"]) == ["worker-0-of-2.npz", "worker-1-of-2.npz"]
+
+
 def test_the_all_reduce_counter_counts_every_loop_iteration(workers):
     # Negative control: an all-reduce inside a tf.while_loop in replica
     # context, where the accumulation loop must not put one, runs and is

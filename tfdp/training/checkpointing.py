@@ -37,6 +37,7 @@ class ChiefCheckpointManager:
     ):
         self._checkpoint = checkpoint
         self.replica_state = replica_state
+        self._restored_step = None
         self._directory = directory
         self._is_chief = is_chief
         self._manager = (
@@ -102,8 +103,19 @@ class ChiefCheckpointManager:
         if self.replica_state is not None:
             from tfdp.training import replica_state  # pylint: disable=import-outside-toplevel
 
-            self.replica_state.restore(replica_state.step_of(latest))
+            self._restored_step = replica_state.step_of(latest)
+            self.replica_state.restore(self._restored_step)
         return latest
+
+    def restore_replica_state_again(self) -> None:
+        """Loads the per-replica state of the last restore again.
+
+        Call after starting a `tfdp.distribute.preemption.PreemptionWatcher`
+        on a cluster: TensorFlow's `PreemptionCheckpointHandler` restores the
+        chief's checkpoint when it is built, over every replica's own state.
+        """
+        if self.replica_state is not None and self._restored_step is not None:
+            self.replica_state.restore(self._restored_step)
 
     @staticmethod
     def _mismatch(path: str, error: Exception) -> ValueError:

@@ -540,6 +540,7 @@ class Trainer:
             owner="tfdp trainer",
         )
         self._watcher.start()
+        self._checkpoints.restore_replica_state_again()  # the handler restored the chief's
         return self._watcher
 
     def _sync_pending(self) -> None:

@@ -280,6 +280,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 owner="tfdp BackupAndRestore",
             )
             self._watcher.start()
+            self._manager.restore_replica_state_again()  # the handler restored the chief's
         self._training = True
 
     def on_epoch_begin(self, epoch, logs=None):
