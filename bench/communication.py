@@ -14,7 +14,9 @@ collectives per optimizer step, counted from the compressors' own
 arithmetic (`values_sent`; DDP's PowerSGD compresses the same matrices by
 the same rule, `min_compression_rate=2`).
 
-It does not measure time to accuracy (not built yet) or the MLP.
+It also reports local SGD and DiLoCo (`tfdp_fit_local_sgd`,
+`tfdp_fit_diloco`), whose bytes are the weights once per window. It does
+not measure time to accuracy (not built yet) or the MLP.
 """
 
 from __future__ import annotations
