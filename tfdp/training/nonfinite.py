@@ -273,12 +273,15 @@ class _SkipNonFinite:
             # A skipped step leaves the error memories as they were.
             self.compressor.commit(new_state, proceed)
 
+        # A compressor's sums are of gradients it unscaled first (_compressed_sum).
+        unscaled = reduced and self.compressor is not None
+
         def apply_step(grads):
             if reduced or local:
                 with keras_optimizer_reduction.gradients_already_reduced(self.inner_optimizer):
-                    self._apply_finite(grads, variables)
+                    self._apply_finite(grads, variables, unscaled)
             else:
-                self._apply_finite(grads, variables)
+                self._apply_finite(grads, variables, unscaled)
 
         if keras_optimizer_internals.supports_no_merge_call():
             tf.cond(proceed, lambda: apply_step(grads), self._skip)
@@ -414,7 +417,8 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         self._build_local_sync(var_list)
         super().build(var_list)
 
-    def _apply_finite(self, grads, variables):
+    def _apply_finite(self, grads, variables, unscaled=False):
+        del unscaled  # no loss scale
         self.inner_optimizer.apply(grads, variables)
         self.consecutive_skipped_steps.assign(0)
 
@@ -523,11 +527,9 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         # Error memories hold unscaled gradients, whatever the loss scale did since.
         return self.dynamic_scale
 
-    def _apply_finite(self, grads, variables):
-        # Compressed gradients were unscaled before compression (see apply).
-        compressed = (self.compressor is not None
-                      and tf.distribute.get_strategy().num_replicas_in_sync > 1)
-        scale = 1.0 if compressed else self.dynamic_scale
+    def _apply_finite(self, grads, variables, unscaled=False):
+        # `unscaled`: a compressor already divided them by the loss scale (see apply).
+        scale = 1.0 if unscaled else self.dynamic_scale
         unscaled = [
             g if getattr(v, "overwrite_with_gradient", False) else _divide(g, scale)
             for g, v in zip(grads, variables)
