@@ -15,8 +15,10 @@ arithmetic (`values_sent`; DDP's PowerSGD compresses the same matrices by
 the same rule, `min_compression_rate=2`).
 
 It also reports local SGD and DiLoCo (`tfdp_fit_local_sgd`,
-`tfdp_fit_diloco`), whose bytes are the weights once per window. It does
-not measure time to accuracy (not built yet) or the MLP.
+`tfdp_fit_diloco`), whose bytes are the weights once per window, and the
+same tfdp paths on the ≈10 M-parameter MLP (`summarize_mlp`, one more
+2-worker launch: 40 MB of gradients per step, where communication is most
+of the step). It does not measure time to accuracy (not built yet).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ SYNC_EVERY = {"local_sgd": 8, "diloco": 16}
 DDP_HOOKS = ("fp16", "powersgd")
 
 
-def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -> float:
+#: The paths of the MLP launch: every tfdp exchange and the no-all-reduce loop.
+MLP_PATHS = TFDP_PATHS + ("loop_n_local",)
+#: The MLP paths `--quick` measures: those of the PowerSGD target.
+MLP_QUICK_PATHS = ("tfdp_fit", "tfdp_fit_powersgd")
+
+
+def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01,
+                   model: str = "cnn") -> int:
     """Bytes one worker contributes to the gradient (or weight) collectives per step, on the CNN.
 
     Local steps send the float32 weights once per window (`SYNC_EVERY`), the
@@ -38,7 +47,8 @@ def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -
     import tfdp
     from tfdp.bench import workloads
 
-    variables = workloads.build_cnn().trainable_variables
+    build = workloads.build_cnn if model == "cnn" else workloads.build_mlp
+    variables = build().trainable_variables
     values = sum(int(v.shape.num_elements()) for v in variables)
     if compression == "none":
         return 4 * values
@@ -49,7 +59,7 @@ def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01) -
     if compression == "topk":
         return 4 * tfdp.compression.TopK(fraction=fraction).values_sent(variables)
     if compression in SYNC_EVERY:
-        return 4 * values / SYNC_EVERY[compression]
+        return round(4 * values / SYNC_EVERY[compression])
     raise ValueError(f"Unknown compression {compression!r}.")
 
 
@@ -57,6 +67,36 @@ _TFDP_COMPRESSION = {"tfdp_fit": "none", "tfdp_fit_bf16": "bfloat16",
                      "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
                      "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
 _DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd"}  # 2 B/value
+
+
+def summarize_mlp(runs: dict | None, *, rank: int = 4, fraction: float = 0.01) -> dict:
+    """The MLP rows from `throughput.run(workers=(2,), paths=MLP_PATHS, model="mlp")`.
+
+    Returns:
+        `{"status": "ok", "rows": [{"path", "examples_per_second",
+        "median_examples_per_second", "bytes_per_step", "vs_plain"}],
+        "powersgd_over_plain"}`, or a skip record.
+    """
+    two = (runs or {}).get("2", {}).get("paths", {})
+    plain = two.get("tfdp_fit", {}).get("images_per_second")
+    rows = []
+    for path in MLP_PATHS:
+        if path not in two:
+            continue
+        compression = "none" if path == "loop_n_local" else _TFDP_COMPRESSION[path]
+        rows.append({
+            "path": path,
+            "examples_per_second": two[path]["images_per_second"],
+            "median_examples_per_second": two[path]["median_images_per_second"],
+            "bytes_per_step": 0 if path == "loop_n_local" else bytes_per_step(
+                compression, rank=rank, fraction=fraction, model="mlp"),
+            "vs_plain": two[path]["images_per_second"] / plain if plain else None,
+        })
+    powersgd = next((r for r in rows if r["path"] == "tfdp_fit_powersgd"), None)
+    if not rows:
+        return {"status": "skipped", "reason": "the MLP launch measured no path"}
+    return {"status": "ok", "rows": rows,
+            "powersgd_over_plain": powersgd and powersgd["vs_plain"]}
 
 
 def run_ddp_hooks(*, per_replica_batch: int, steps: int, repeats: int, threads: int,

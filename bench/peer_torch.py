@@ -99,7 +99,7 @@ def measure(spec: dict) -> dict:
         buckets = {"bucket_cap_mb_list": [64, 64]} if spec["hook"] == "powersgd" else {}
         model = DistributedDataParallel(build_torch_cnn().to(memory_format=memory_format),
                                         **buckets)
-        _register_hook(model, spec["hook"], spec["rank"])
+        register_hook(model, spec["hook"], spec["rank"])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
         batch = spec["per_replica_batch"]
@@ -146,7 +146,8 @@ def measure(spec: dict) -> dict:
     }
 
 
-def _register_hook(model, hook: str, rank: int) -> None:
+def register_hook(model, hook: str, rank: int) -> None:
+    """Registers DDP's communication hook `hook` (one of `HOOKS`) on `model`, PowerSGD at `rank`."""
     if hook not in HOOKS:
         raise ValueError(f"`hook` must be one of {', '.join(HOOKS)}. Received: hook={hook!r}")
     if hook == "fp16":

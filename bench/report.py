@@ -183,6 +183,19 @@ def _communication(case) -> list[str]:
         lines.append(f"| {r['framework']} | {name} | {_f(r['images_per_second'])} "
                      f"({_f(r['median_images_per_second'])}) | {r['bytes_per_step']:,} | "
                      f"{_f(r['vs_no_all_reduce'], 2)} |")
+    mlp = case.get("mlp") or {}
+    if mlp.get("status") == "ok":
+        lines += ["", "The ≈10 M-parameter MLP (40 MB of gradients), tfdp only, 2 workers; "
+                  "÷ plain: examples/s over the plain all-reduce's.", "",
+                  "| gradient exchange | examples/s (median) | bytes per step | ÷ plain |",
+                  "|---|---|---|---|"]
+        for r in mlp["rows"]:
+            lines.append(f"| {PATH_LABELS.get(r['path'], r['path'])} | "
+                         f"{_f(r['examples_per_second'])} "
+                         f"({_f(r['median_examples_per_second'])}) | {r['bytes_per_step']:,} | "
+                         f"{_f(r['vs_plain'], 2)} |")
+    elif mlp:
+        lines += ["", f"MLP launch: {mlp.get('status')}: {mlp.get('error') or mlp.get('reason')}"]
     return lines
 
 

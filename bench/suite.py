@@ -199,6 +199,16 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
         repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
     ), log)
     cases["communication"] = communication.summarize(runs.get("runs"), cases["peer_torch"], hooks)
+    mlp = _guarded("communication (MLP, 2 workers)", lambda: {"runs": throughput.run(
+        # --quick: the two paths of the MLP target only (40 MB all-reduces are slow).
+        workers=(2,), paths=(communication.MLP_QUICK_PATHS if config.quick
+                             else communication.MLP_PATHS), rounds=1, threads=config.threads,
+        timeout=config.timeout(900), per_replica_batch=config.per_replica_batch,
+        steps_per_execution=config.steps_per_execution, steps=config.steps,
+        repeats=config.repeats, model="mlp",
+    )}, log)
+    cases["communication"]["mlp"] = (communication.summarize_mlp(mlp["runs"])
+                                     if mlp["status"] == "ok" else mlp)
     if hooks.get("status") == "error":
         cases["communication"]["ddp_hooks_error"] = hooks.get("error")
     cases["allreduce"] = _guarded("allreduce", lambda: allreduce.run(

@@ -64,6 +64,10 @@ TARGETS = (
     Target("best_compression_vs_no_all_reduce_2_workers",
            "best tfdp gradient exchange ÷ the loop without any all-reduce, images/s, 2 workers",
            0.9, True, lambda c: c["communication"]["best_tfdp_vs_no_all_reduce"]),
+    Target("mlp_powersgd_over_plain_2_workers",
+           "MLP: tfdp fit with PowerSGD(rank=4) ÷ the plain all-reduce, examples/s, 2 workers "
+           "(the issue sets it over a 1 Gbit/s link: run with --link 1gbit)",
+           10.0, True, lambda c: c["communication"]["mlp"]["powersgd_over_plain"]),
     Target("accumulation_speedup_k8",
            "k=8: all-reduce every micro-batch ÷ accumulate, time per global batch (fastest calls)",
            4.0, True,

@@ -79,7 +79,11 @@ _DEFAULTS = {
     "topk_fraction": 0.01,
     "local_sgd_sync_every": 8,
     "diloco_sync_every": 16,
+    "model": "cnn",
 }
+#: Values of the `model` spec entry: the benchmark CNN, or the ≈10 M-parameter
+#: MLP whose 40 MB of gradients make communication the step's largest part.
+MODELS = ("cnn", "mlp")
 
 
 def _check_spec(spec: dict) -> dict:
@@ -99,7 +103,24 @@ def _check_spec(spec: dict) -> dict:
             f"timed between them. Received: steps={spec['steps']}, "
             f"steps_per_execution={spec['steps_per_execution']}"
         )
+    if spec["model"] not in MODELS:
+        raise ValueError(f"`model` must be one of {', '.join(MODELS)}. "
+                         f"Received: model={spec['model']!r}")
+    if spec["model"] != "cnn" and "loop_n_overlap" in spec["paths"]:
+        raise ValueError("`loop_n_overlap` splits the CNN's layers; it needs model='cnn'.")
     return spec
+
+
+def _build_model(spec):
+    from tfdp.bench import workloads
+
+    return workloads.build_cnn() if spec["model"] == "cnn" else workloads.build_mlp()
+
+
+def _feature_shape(spec):
+    from tfdp.bench import workloads
+
+    return workloads.IMAGE_SHAPE if spec["model"] == "cnn" else (workloads.MLP_INPUT,)
 
 
 def _loss():
@@ -121,10 +142,9 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
     """`run(steps)`: `steps` steps of `model.fit`; `compression` also names the local-step paths."""
     import keras
     import tfdp
-    from tfdp.bench import workloads
 
     with strategy.scope():
-        model = workloads.build_cnn()
+        model = _build_model(spec)
         arguments = dict(optimizer=_optimizer(spec), loss=_loss(), metrics=["accuracy"],
                          steps_per_execution=steps_per_execution)
         if use_tfdp:
@@ -158,10 +178,9 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
 
 def _trainer_runner(strategy, dataset, spec, *, mark) -> Callable[[int], None]:
     import tfdp
-    from tfdp.bench import workloads
 
     with strategy.scope():
-        model = workloads.build_cnn()
+        model = _build_model(spec)
         optimizer = _optimizer(spec)
     trainer = tfdp.Trainer(
         model, optimizer=optimizer, loss=_loss(), strategy=strategy,
@@ -211,10 +230,9 @@ def _loop_runner(strategy, dataset, spec, *, steps_per_call: int, exchange: str,
                  mark) -> Callable[[int], None]:
     import tensorflow as tf
     from tfdp._upstream import keras_optimizer_reduction
-    from tfdp.bench import workloads
 
     with strategy.scope():
-        model = workloads.build_cnn()
+        model = _build_model(spec)
         optimizer = _optimizer(spec)
         optimizer.build(model.trainable_variables)
     global_batch = float(spec["per_replica_batch"] * strategy.num_replicas_in_sync)
@@ -332,7 +350,8 @@ def measure(spec: dict) -> dict:
             `steps_per_execution` (N above, default 10), `steps` (optimizer
             steps per timed call, a multiple of N, at least 2 executions;
             default 100), `repeats` (timed calls per path, default 3),
-            `learning_rate` (0.01).
+            `learning_rate` (0.01), `model` (`"cnn"`, default, or `"mlp"`:
+            `tfdp.bench.workloads`; "images" are then MLP examples).
 
     Returns:
         `{"strategy", "num_workers", "num_replicas", "global_batch",
@@ -352,7 +371,7 @@ def measure(spec: dict) -> dict:
     strategy = tfdp.make_strategy()
     info = tfdp.strategy_info(strategy)
     global_batch = spec["per_replica_batch"] * strategy.num_replicas_in_sync
-    dataset = workloads.synthetic_dataset(workloads.IMAGE_SHAPE, global_batch)
+    dataset = workloads.synthetic_dataset(_feature_shape(spec), global_batch)
     marks: list[float] = []
 
     def mark() -> None:

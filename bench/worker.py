@@ -28,6 +28,8 @@ JOBS = {
     "count_all_reduces": ("tfdp.bench.accumulation", "count_all_reduces", "tensorflow"),
     "all_reduce": ("tfdp.bench.allreduce", "measure", "tensorflow"),
     "torch_ddp": ("tfdp.bench.peer_torch", "measure", "torch"),
+    "time_to_accuracy_tfdp": ("tfdp.bench.time_to_accuracy", "measure_tfdp", "tensorflow"),
+    "time_to_accuracy_torch": ("tfdp.bench.time_to_accuracy", "measure_torch", "torch"),
     "input_pipeline": ("tfdp.bench.input_pipeline", "measure", "tensorflow"),
 }
 

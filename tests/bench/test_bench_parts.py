@@ -46,7 +46,7 @@ def test_ddp_runs_with_its_communication_hooks_on_two_workers(hook):
 
 def test_ddp_refuses_an_unknown_hook():
     with pytest.raises(ValueError, match="`hook` must be one of none, fp16, powersgd"):
-        peer_torch._register_hook(None, "bf16", 4)  # pylint: disable=protected-access
+        peer_torch.register_hook(None, "bf16", 4)
 
 
 def test_mlp_is_about_ten_million_parameters():
@@ -195,3 +195,59 @@ def test_communication_rows_bytes_and_ratios():
     assert case["best_tfdp_over_best_ddp"] == 1.5
     markdown = report._communication(case)  # pylint: disable=protected-access
     assert any("`powerSGD_hook`" in line and "57,720" in line for line in markdown)
+
+
+def test_mlp_communication_rows_bytes_and_ratio():
+    from tfdp.bench import communication, workloads
+
+    def row(examples):
+        return {"images_per_second": examples, "median_images_per_second": examples - 1}
+
+    runs = {"2": {"paths": {"tfdp_fit": row(100.0), "tfdp_fit_powersgd": row(1200.0),
+                            "tfdp_fit_local_sgd": row(300.0), "loop_n_local": row(1500.0)}}}
+    case = communication.summarize_mlp(runs)
+    by_path = {r["path"]: r for r in case["rows"]}
+    parameters = workloads.mlp_parameter_count()
+    assert by_path["tfdp_fit"]["bytes_per_step"] == 4 * parameters
+    # Rank 4: (784 + 2048)·4 + 2·(2048 + 2048)·4 + (2048 + 10)·4 values for the
+    # kernels, the 6,154 biases as they are.
+    assert by_path["tfdp_fit_powersgd"]["bytes_per_step"] == 4 * (
+        11_328 + 2 * 16_384 + 8_232 + 6_154)
+    assert by_path["tfdp_fit_local_sgd"]["bytes_per_step"] == round(4 * parameters / 8)
+    assert by_path["loop_n_local"]["bytes_per_step"] == 0
+    assert case["powersgd_over_plain"] == 12.0
+    markdown = report._communication(  # pylint: disable=protected-access
+        {"rank": 4, "fraction": 0.01, "rows": [], "mlp": case})
+    assert any("PowerSGD" in line and "12.00" in line for line in markdown)
+
+
+def test_torch_digits_cnn_is_the_registered_cnn():
+    torch = pytest.importorskip("torch")
+    from tfdp import models
+    from tfdp.bench import time_to_accuracy
+
+    keras_model = models.get("cnn", input_shape=(8, 8, 1), num_classes=10)
+    torch_model = time_to_accuracy.build_torch_digits_cnn()
+    assert sum(p.numel() for p in torch_model.parameters()) == keras_model.count_params()
+    assert tuple(torch_model(torch.zeros(2, 1, 8, 8)).shape) == (2, 10)
+
+
+def test_time_to_accuracy_reads_the_first_epoch_at_the_target():
+    from tfdp.bench import time_to_accuracy
+
+    summary = time_to_accuracy._summary(  # pylint: disable=protected-access
+        [5.0, 6.0, 7.5, 8.5], [0.8, 0.93, 0.951, 0.97], 0.95)
+    assert (summary["epochs_to_target"], summary["seconds_to_target"]) == (3, 7.5)
+    assert summary["steady_epoch_seconds"] == 1.0  # median of 1.0, 1.5, 1.0
+    never = time_to_accuracy._summary([1.0], [0.5], 0.95)  # pylint: disable=protected-access
+    assert never["seconds_to_target"] is None
+
+    def row(framework, method, seconds):
+        return {"framework": framework, "method": method, "seconds_to_target": seconds}
+
+    rows = [row("tfdp", "plain", 30.0), row("tfdp", "topk", 10.0), row("tfdp", "diloco", None),
+            row("PyTorch DDP", "none", 40.0), row("PyTorch DDP", "powersgd", 20.0)]
+    compared = time_to_accuracy.compare(rows)
+    assert compared["best_tfdp"] == "topk" and compared["best_ddp"] == "powersgd"
+    assert compared["plain_over_best_tfdp"] == 3.0
+    assert compared["best_ddp_over_best_tfdp"] == 2.0

@@ -53,6 +53,7 @@ def test_quick_suite_writes_every_case(tmp_path):
     assert {r["path"] for r in communication["rows"] if r["framework"] == "tfdp"} == {
         "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_local_sgd",
         "tfdp_fit_diloco"}
+    assert {r["path"] for r in communication["mlp"]["rows"]} == {"tfdp_fit", "tfdp_fit_powersgd"}
     accumulation = results["cases"]["accumulation"]
     assert [len(samples) for samples in accumulation["times"].values()] == [2, 2]
 

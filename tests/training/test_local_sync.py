@@ -156,6 +156,12 @@ def test_trainer_equals_numpy_simulation(two_replicas, sync_every, kind):
     assert_weights(model, numpy_local_training(sync_every, kind is not None))
 
 
+def test_diloco_on_one_device_equals_numpy_simulation():
+    """No strategy: Keras builds the optimizer while tracing the step (the outer one too)."""
+    model = fit(tf.distribute.get_strategy(), 3, "diloco")
+    assert_weights(model, numpy_local_training(3, True, replicas=1))
+
+
 def test_sync_every_1_is_synchronous_training(two_replicas):
     """`sync_every=1` without an outer optimizer takes the synchronous path: the same weights, bit for bit."""
     local = fit(two_replicas, 1, None)

@@ -102,9 +102,11 @@ class LocalSync:
         if self.outer_optimizer is not None:
             if not self.outer_optimizer.built:
                 # Made again here, inside the strategy's scope, whatever scope
-                # the user's instance was created in (its config is all it holds).
-                self.outer_optimizer = type(self.outer_optimizer).from_config(
-                    self.outer_optimizer.get_config())
+                # the user's instance was created in (its config is all it
+                # holds); eagerly, as build may run while a train step traces.
+                with tf.init_scope():
+                    self.outer_optimizer = type(self.outer_optimizer).from_config(
+                        self.outer_optimizer.get_config())
             # add_variable (not add_variable_from_reference, which enters the
             # scope the owner was made in): the current strategy's scope.
             self.anchors = [
