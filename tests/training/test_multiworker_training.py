@@ -234,6 +234,16 @@ def test_per_replica_state_resumes_exactly_on_two_workers(workers, name):
     assert list(records[0][f"{name}_files"]) == ["worker-0-of-2.npz", "worker-1-of-2.npz"]
 
 
+def test_bfloat16_gradients_on_two_workers_train_as_one_device(workers):
+    """The float32 counts take their own all-reduce beside the bfloat16 gradients'."""
+    _, records = workers
+    reference = _one_device_fit()
+    for record in records:
+        assert int(record["bf16_iterations"]) == job.STEPS_PER_EPOCH
+        _assert_weights(record, "bf16", reference.get_weights(), atol=2e-2)
+        assert int(record["bf16_grad_allreduces"]) == 2 * job.STEPS_PER_EPOCH
+
+
 def test_the_all_reduce_counter_counts_every_loop_iteration(workers):
     # Negative control: an all-reduce inside a tf.while_loop in replica
     # context, where the accumulation loop must not put one, runs and is

@@ -164,8 +164,12 @@ class _SkipNonFinite:
     def accepts_global_divisor(self) -> bool:
         """Whether `dividing_by_global` may be used: not under a compressor, whose
         error memories must hold gradients already divided by the global count,
-        nor with local steps, which sum nothing."""
-        return self.compressor is None and self.local_sync is None
+        nor with local steps, which sum nothing, nor in bfloat16: the float32
+        divisor cannot share a collective with bfloat16 gradients
+        (MultiWorkerMirroredStrategy packs them into one concat), so the
+        counts take their own small all-reduce instead."""
+        return (self.compressor is None and self.local_sync is None
+                and self.all_reduce_dtype is None)
 
     @property
     def steps_locally(self) -> bool:
