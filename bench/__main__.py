@@ -6,7 +6,7 @@ Exits 1 when a case failed (its error is in the files), 0 otherwise; a
 skipped case (PyTorch not installed) is not a failure.
 
     python -m tfdp.bench                       # full suite, ~15 min on 2 cores
-    python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, < 3 min
+    python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, ~8 min on 2 cores
     python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
 """
 

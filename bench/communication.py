@@ -18,7 +18,8 @@ It also reports local SGD and DiLoCo (`tfdp_fit_local_sgd`,
 `tfdp_fit_diloco`), whose bytes are the weights once per window, and the
 same tfdp paths on the ≈10 M-parameter MLP (`summarize_mlp`, one more
 2-worker launch: 40 MB of gradients per step, where communication is most
-of the step). It does not measure time to accuracy (not built yet).
+of the step). Time to accuracy is `tfdp.bench.time_to_accuracy`, run on its
+own (`python -m tfdp.bench.time_to_accuracy`), not part of the suite yet.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class SuiteConfig:
 
     @classmethod
     def quick_config(cls, **overrides) -> "SuiteConfig":
-        """The smoke-test sizes: every case, a few steps each (< 3 min on 2 cores)."""
+        """The smoke-test sizes: every case, a few steps each (~8 min on 2 AMD EPYC cores)."""
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
             paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd",

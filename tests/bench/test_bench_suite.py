@@ -17,7 +17,7 @@ from tfdp.bench import suite
 from tfdp.bench import targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# --quick takes under 3 minutes on an idle 2-core machine; leave room for a busy one.
+# --quick took 7.5 minutes on an idle 2-core AMD EPYC VM; leave room for a busy one.
 TIMEOUT_SECONDS = 900
 
 

@@ -124,7 +124,8 @@ def compile(  # pylint: disable=redefined-builtin
     (`Masking`, `Embedding(mask_zero=True)`), several outputs with
     `loss_weights`, `add_loss` and regularizers. With a static batch and no
     mask it costs nothing; with an unknown batch size one float32 in the
-    gradients' all-reduce; under masks and weight sums one all-reduce of a few
+    gradients' all-reduce (its own small all-reduce under bfloat16 or a
+    compressor); under masks and weight sums one all-reduce of a few
     float32 scalars per step (`tfdp.training.loss_normalization`). A loss
     function that returns one scalar is weighted by its examples, with a
     warning. `"per_replica"` averages each replica's own mean, as stock
