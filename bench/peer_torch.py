@@ -78,28 +78,15 @@ def measure(spec: dict) -> dict:
     spec = {**_DEFAULTS, **spec}
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     from tfdp.bench import workloads
 
-    torch.set_num_threads(spec["threads"])
-    torch.set_num_interop_threads(1)
-    rank = int(os.environ.get("TFDP_RANK", "0"))
-    world = int(os.environ.get("TFDP_WORLD_SIZE", "1"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}",
-                            rank=rank, world_size=world)
+    rank, world = join_gloo_group(spec["threads"], spec["port"])
     try:
         torch.manual_seed(0)
         memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
-        # powerSGD_hook chains its collectives through future callbacks, which
-        # run on whichever thread completes the previous one: with two buckets
-        # in flight the ranks' orders can differ (gloo then fails with
-        # "Received data size doesn't match expected size"). One bucket,
-        # first included (bucket_cap_mb_list), keeps one chain.
-        buckets = {"bucket_cap_mb_list": [64, 64]} if spec["hook"] == "powersgd" else {}
-        model = DistributedDataParallel(build_torch_cnn().to(memory_format=memory_format),
-                                        **buckets)
-        register_hook(model, spec["hook"], spec["rank"])
+        model = wrap_ddp(build_torch_cnn().to(memory_format=memory_format), spec["hook"],
+                         spec["rank"])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
         batch = spec["per_replica_batch"]
@@ -144,6 +131,39 @@ def measure(spec: dict) -> dict:
         "step_ms": 1000.0 * batch * world / statistics.median(samples),
         "samples": samples,
     }
+
+
+def join_gloo_group(threads: int, port: int) -> tuple[int, int]:
+    """Limits torch to `threads` threads and joins this launch's gloo group: `(rank, world)`.
+
+    The rank and world size come from the launcher (`TFDP_RANK`,
+    `TFDP_WORLD_SIZE`), the rendezvous from rank 0 at 127.0.0.1:`port`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    rank = int(os.environ.get("TFDP_RANK", "0"))
+    world = int(os.environ.get("TFDP_WORLD_SIZE", "1"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    return rank, world
+
+
+def wrap_ddp(module, hook: str, rank: int):
+    """`module` in DistributedDataParallel with the communication hook `hook` registered."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # powerSGD_hook chains its collectives through future callbacks, which
+    # run on whichever thread completes the previous one: with two buckets
+    # in flight the ranks' orders can differ (gloo then fails with
+    # "Received data size doesn't match expected size"). One bucket,
+    # first included (bucket_cap_mb_list), keeps one chain.
+    buckets = {"bucket_cap_mb_list": [64, 64]} if hook == "powersgd" else {}
+    model = DistributedDataParallel(module, **buckets)
+    register_hook(model, hook, rank)
+    return model
 
 
 def register_hook(model, hook: str, rank: int) -> None:

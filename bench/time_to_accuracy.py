@@ -152,16 +152,10 @@ def measure_torch(spec: dict) -> dict:
     import numpy as np
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     from tfdp.bench import peer_torch
 
-    torch.set_num_threads(spec["threads"])
-    torch.set_num_interop_threads(1)
-    rank = int(os.environ.get("TFDP_RANK", "0"))
-    world = int(os.environ.get("TFDP_WORLD_SIZE", "1"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}",
-                            rank=rank, world_size=world)
+    rank, world = peer_torch.join_gloo_group(spec["threads"], spec["port"])
     try:
         data = np.load(spec["data"])
         x_train = torch.from_numpy(data["x_train"]).permute(0, 3, 1, 2).contiguous()
@@ -169,9 +163,7 @@ def measure_torch(spec: dict) -> dict:
         x_test = torch.from_numpy(data["x_test"]).permute(0, 3, 1, 2).contiguous()
         y_test = torch.from_numpy(data["y_test"]).long()
         torch.manual_seed(spec["seed"])  # the same initial weights on every rank
-        buckets = {"bucket_cap_mb_list": [64, 64]} if spec["hook"] == "powersgd" else {}
-        model = DistributedDataParallel(build_torch_digits_cnn(), **buckets)
-        peer_torch.register_hook(model, spec["hook"], spec["rank"])
+        model = peer_torch.wrap_ddp(build_torch_digits_cnn(), spec["hook"], spec["rank"])
         optimizer = torch.optim.SGD(model.parameters(), lr=spec["learning_rate"],
                                     momentum=spec["momentum"])
         loss_fn = torch.nn.CrossEntropyLoss()
