@@ -13,7 +13,6 @@ status 2 and one line naming the flag, before any training or collective.
 
 from __future__ import annotations
 
-import logging as py_logging
 import os
 import sys
 from typing import Sequence
@@ -23,11 +22,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
 
-from tfdp.distribute import cluster as cluster_lib  # noqa: E402
 from tfdp.distribute import reduction  # noqa: E402
 from tfdp.app import run_config  # noqa: E402
+from tfdp.app.process_logging import configure_logging  # noqa: E402
+from tfdp.app.process_logging import process_is_chief  # noqa: E402
 from tfdp.distribute import config_check  # noqa: E402
 from tfdp.distribute import peer_failures  # noqa: E402
 from tfdp.distribute import startup  # noqa: E402
@@ -61,6 +60,9 @@ flags.DEFINE_integer("bytes_per_pack", _D.bytes_per_pack, "MultiWorkerMirroredSt
 flags.DEFINE_float("collective_timeout", None, "MultiWorkerMirroredStrategy: fail a collective "
                    "that waits longer than this many seconds for a stuck or stopped worker "
                    "(default: wait forever).")
+flags.DEFINE_bool("gpu_memory_growth", _D.gpu_memory_growth, "Allocate GPU memory as needed "
+                  "instead of almost all of every visible GPU at start (TensorFlow's memory "
+                  "growth; off by default, as in TensorFlow).")
 # Batch.
 flags.DEFINE_integer("global_batch", None, "Examples per optimizer step over all replicas "
                      "(at most one of --global_batch, --per_replica_batch; neither: "
@@ -175,47 +177,6 @@ def _check_names(config: run_config.RunConfig) -> None:
         raise run_config.ConfigError(f"--dataset: {error}") from None
 
 
-#: Packages whose INFO logs the chief shows (progress, resume, data accounting).
-_OWN_PACKAGES = ("tfdp", "tfdp.app", "tfdp.launch", "tfdp.models", "tfdp.pipelines")
-
-
-class _OwnInfoOnly(py_logging.Filter):
-    """Passes warnings from anywhere, and INFO only from tfdp's own packages."""
-
-    def __init__(self):
-        super().__init__()
-        roots = []
-        for name in _OWN_PACKAGES:
-            module = sys.modules.get(name)
-            if module is not None and getattr(module, "__file__", None):
-                roots.append(os.path.dirname(module.__file__) + os.sep)
-        self._roots = tuple(roots)
-
-    def filter(self, record: py_logging.LogRecord) -> bool:
-        return record.levelno >= py_logging.WARNING or record.pathname.startswith(self._roots)
-
-
-def _process_is_chief() -> bool:
-    """Whether this process is the chief, from TF_CONFIG or Slurm (no TensorFlow)."""
-    config = cluster_lib.parse_tf_config()
-    if config is not None:
-        return config.is_chief
-    return os.environ.get("SLURM_PROCID", "0") == "0"
-
-
-def _configure_logging(is_chief: bool) -> None:
-    """The chief logs tfdp's progress; other workers log only what goes wrong.
-
-    TensorFlow's and TFDS' INFO lines (collective launches, dataset reads) are
-    dropped everywhere: they bury the progress lines on a multi-worker run.
-    """
-    import tensorflow as tf
-
-    tf.get_logger().setLevel(py_logging.WARNING)
-    logging.get_absl_handler().addFilter(_OwnInfoOnly())
-    logging.set_verbosity(logging.INFO if is_chief else logging.WARNING)
-
-
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -226,7 +187,7 @@ def main(argv: Sequence[str]) -> None:
     try:
         config = config_from_flags()
         _check_names(config)
-        _configure_logging(_process_is_chief())
+        configure_logging(process_is_chief())
         with peer_failures.explain_peer_failures(collective_timeout=config.collective_timeout):
             experiment.train_and_evaluate(
                 config, build_dataset=_build_dataset(config), build_model=models.get
