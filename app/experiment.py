@@ -167,7 +167,7 @@ def train_and_evaluate(
     strategy_options = dict(
         cpu_replicas=config.cpu_replicas, cross_device_ops=config.cross_device_ops,
         communication=config.communication, bytes_per_pack=config.bytes_per_pack,
-        timeout_seconds=config.collective_timeout,
+        timeout_seconds=config.collective_timeout, memory_growth=config.gpu_memory_growth,
     )
     try:
         plan = strategy_lib.plan_from_environment(config.strategy, **strategy_options)

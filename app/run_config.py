@@ -43,7 +43,8 @@ class RunConfig:
 
     Where: strategy, cpu_replicas, cross_device_ops, communication,
         bytes_per_pack: see `tfdp.make_strategy`; collective_timeout: its
-        `timeout_seconds` (None: wait forever).
+        `timeout_seconds` (None: wait forever); gpu_memory_growth: its
+        `memory_growth` (GPU memory taken as needed, not all at start).
 
     Batch (examples per optimizer step; see `tfdp.BatchConfig`): at most one
         of global_batch and per_replica_batch (neither: global_batch =
@@ -85,6 +86,7 @@ class RunConfig:
     communication: str = "auto"
     bytes_per_pack: int | None = None
     collective_timeout: float | None = None
+    gpu_memory_growth: bool = False
 
     global_batch: int | None = None
     per_replica_batch: int | None = None

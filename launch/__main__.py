@@ -3,6 +3,7 @@
 Usage:
 
     tfdp-launch --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]
+                     [--gpus_per_proc G]
                      [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]
                      -- COMMAND [ARGS...]
     tfdp-launch slurm --nodes M --ntasks_per_node N [...] [--submit] -- COMMAND [ARGS...]
@@ -27,6 +28,14 @@ Workers. Each worker gets TF_CONFIG (a "worker" task; worker 0 is the chief),
 TFDP_RANK, TFDP_LOCAL_RANK, TFDP_WORLD_SIZE, TFDP_LOCAL_WORLD_SIZE,
 TFDP_NODE_RANK, TFDP_RESTART_COUNT and PYTHONUNBUFFERED=1. Output lines are
 prefixed with "[RANK] ".
+
+GPUs. On a node with GPUs each worker gets its own through
+CUDA_VISIBLE_DEVICES: with G GPUs and N workers, worker i gets GPUs
+[i*G/N, (i+1)*G/N) of the launcher's CUDA_VISIBLE_DEVICES (indices or UUIDs,
+in order) or, when it is unset, of the G GPUs `nvidia-smi -L` lists (then
+also CUDA_DEVICE_ORDER=PCI_BUS_ID, so the indices are nvidia-smi's). G not
+divisible by N is refused; --gpus_per_proc K gives each worker K GPUs (0
+hides them all). Without GPUs nothing is set.
 
 Several nodes. Run the same command on every node, each with its own
 --node_rank. --hosts lists every node's address and first port in node-rank
@@ -110,6 +119,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfdp-launch",
         usage=("%(prog)s --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]\n"
+               "       [--gpus_per_proc G]\n"
                "       [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]\n"
                "       -- COMMAND [ARGS ...]\n"
                "   or: %(prog)s {slurm,k8s} ... -- COMMAND [ARGS ...]"),
@@ -129,6 +139,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_restarts", type=int, default=0, metavar="K",
                         help="restart the whole group up to K times after a worker fails "
                              "(default: 0)")
+    parser.add_argument("--gpus_per_proc", type=int, default=None, metavar="G",
+                        help="GPUs per worker, set through CUDA_VISIBLE_DEVICES (default: "
+                             "this node's GPUs split evenly among the workers; 0 hides them)")
     parser.add_argument("--nnodes", type=int, default=1, metavar="M",
                         help="number of nodes in the job (default: 1)")
     parser.add_argument("--node_rank", type=int, default=0, metavar="R",
@@ -162,7 +175,8 @@ def _main_launch(argv: Sequence[str]) -> int:
             plan = local.plan_nodes(command, nnodes=args.nnodes, node_rank=args.node_rank,
                                     hosts=args.hosts, nproc_per_node=args.nproc_per_node,
                                     bind_all=args.bind_all, grace_period=args.grace_period,
-                                    max_restarts=args.max_restarts)
+                                    max_restarts=args.max_restarts,
+                                    gpus_per_proc=args.gpus_per_proc)
         else:
             if args.node_rank != 0:
                 parser.error(f"--node_rank {args.node_rank} needs --nnodes > 1 and --hosts "
@@ -172,7 +186,8 @@ def _main_launch(argv: Sequence[str]) -> int:
                              "127.0.0.1 addresses.")
             plan = local.plan_local(command, nproc_per_node=args.nproc_per_node,
                                     port=args.port, grace_period=args.grace_period,
-                                    max_restarts=args.max_restarts)
+                                    max_restarts=args.max_restarts,
+                                    gpus_per_proc=args.gpus_per_proc)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     # This process owns every process it starts: adopt orphaned grandchildren

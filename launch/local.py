@@ -29,6 +29,11 @@ Every worker gets, on top of the launcher's environment:
 - `TFDP_RESTART_COUNT`: 0 for the first attempt, then 1, 2, ... for each
   restart of the group (`--max_restarts`).
 - `PYTHONUNBUFFERED=1`, so Python workers' output arrives line by line.
+- On a node with GPUs: `CUDA_VISIBLE_DEVICES`, the worker's own share of the
+  node's GPUs (`tfdp.launch.gpus`: worker i of N gets GPUs `[i*G/N,
+  (i+1)*G/N)` of the launcher's `CUDA_VISIBLE_DEVICES`, or of the G GPUs
+  `nvidia-smi -L` lists; `--gpus_per_proc K` gives K each). Without GPUs
+  nothing is set.
 - Unless `--bind_all`: `LD_PRELOAD` (the `tfdp.launch.bind` shim, before any
   inherited `LD_PRELOAD`) and `TFDP_BIND_ADDRESS` (this node's IPv4 address,
   127.0.0.1 on one host), so TensorFlow's gRPC server, which binds all
@@ -53,6 +58,7 @@ from tfdp.distribute import local_cluster
 
 from tfdp.launch import _checks
 from tfdp.launch import bind as bind_lib
+from tfdp.launch import gpus as gpus_lib
 from tfdp.launch import nodes as nodes_lib
 from tfdp.launch import restarts
 from tfdp.launch.worker_group import WorkerSpec
@@ -92,6 +98,10 @@ class LocalLaunchPlan:
         bind_warning: why the workers listen on all interfaces although
             `--bind_all` was not given (the bind shim could not be used);
             logged as a warning. Defaults to "".
+        gpus: each local worker's GPUs (logged once), or None when no
+            GPU is assigned. Defaults to None.
+        gpu_warning: why this node's GPUs could not be read, logged as a
+            warning. Defaults to "".
     """
 
     command: tuple[str, ...]
@@ -108,6 +118,8 @@ class LocalLaunchPlan:
     bind_all: bool = False
     exposed: tuple[str, ...] = ()
     bind_warning: str = ""
+    gpus: gpus_lib.GpuAssignment | None = None
+    gpu_warning: str = ""
 
     @property
     def world_size(self) -> int:
@@ -202,6 +214,7 @@ def _worker_specs(
     node_rank: int,
     restart_count: int,
     bind_env: Mapping[str, str] = {},
+    gpus: gpus_lib.GpuAssignment | None = None,
 ) -> tuple[WorkerSpec, ...]:
     world_size = len(addresses)
     specs = []
@@ -222,6 +235,8 @@ def _worker_specs(
             PYTHONUNBUFFERED="1",
         )
         env.update(bind_env)
+        if gpus is not None:
+            env.update(gpus.environment(local_rank, environ))
         specs.append(WorkerSpec(rank=rank, command=command, env=env))
     return tuple(specs)
 
@@ -234,6 +249,7 @@ def plan_local(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     environ: Mapping[str, str] | None = None,
     max_restarts: int = 0,
+    gpus_per_proc: int | None = None,
 ) -> LocalLaunchPlan:
     """Validates a one-host launch and builds every worker's command and environment.
 
@@ -251,6 +267,9 @@ def plan_local(
         environ: base environment of every worker. Defaults to `os.environ`.
         max_restarts: times the whole group is restarted after a worker
             fails (see `tfdp.launch.restarts`). Must be >= 0. Defaults to 0.
+        gpus_per_proc: GPUs each worker gets (`CUDA_VISIBLE_DEVICES`), or
+            None to split this node's GPUs evenly (see `tfdp.launch.gpus`).
+            Defaults to None.
 
     Returns:
         A `LocalLaunchPlan`.
@@ -259,13 +278,16 @@ def plan_local(
         TypeError: if an argument has the wrong type.
         ValueError: if `command` is empty or its program cannot be found,
             `nproc_per_node` < 1, `port` is out of range or in use,
-            `grace_period` is negative or not finite, or `max_restarts` < 0.
+            `grace_period` is negative or not finite, `max_restarts` < 0, or
+            the node's GPUs cannot be split as asked.
     """
     environ = dict(os.environ if environ is None else environ)
     command = _check_command(command, environ.get("PATH"))
     _check_nproc(nproc_per_node)
     _check_grace_period(grace_period)
     _check_max_restarts(max_restarts)
+    gpus, gpu_warning = gpus_lib.assign(environ, nproc_per_node=nproc_per_node,
+                                        gpus_per_proc=gpus_per_proc)
     if port is None:
         ports = tuple(local_cluster.free_ports(nproc_per_node,
                                              host=nodes_lib.TENSORFLOW_LISTEN_ADDRESS))
@@ -291,11 +313,13 @@ def plan_local(
         grace_period=float(grace_period),
         workers=_worker_specs(command, environ, addresses=addresses,
                               nproc_per_node=nproc_per_node, node_rank=0, restart_count=0,
-                              bind_env=bind_env),
+                              bind_env=bind_env, gpus=gpus),
         max_restarts=max_restarts,
         fixed_ports=port is not None,
         addresses=addresses,
         bind_warning=bind_warning,
+        gpus=gpus,
+        gpu_warning=gpu_warning,
     )
 
 
@@ -310,6 +334,7 @@ def plan_nodes(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     environ: Mapping[str, str] | None = None,
     max_restarts: int = 0,
+    gpus_per_proc: int | None = None,
 ) -> LocalLaunchPlan:
     """Validates this node's part of a multi-node launch and builds its workers.
 
@@ -330,6 +355,7 @@ def plan_nodes(
         grace_period: see `plan_local`.
         environ: base environment of every worker. Defaults to `os.environ`.
         max_restarts: see `plan_local`; a restart reuses the same ports.
+        gpus_per_proc: see `plan_local`; each node splits its own GPUs.
 
     Returns:
         A `LocalLaunchPlan` for this node's workers.
@@ -349,6 +375,8 @@ def plan_nodes(
     _check_max_restarts(max_restarts)
     if not isinstance(bind_all, bool):
         raise TypeError(f"`bind_all` must be a bool. Received: bind_all={_checks.echo(bind_all)}")
+    gpus, gpu_warning = gpus_lib.assign(environ, nproc_per_node=nproc_per_node,
+                                        gpus_per_proc=gpus_per_proc)
     layout = nodes_lib.plan_layout(hosts, nnodes=nnodes, node_rank=node_rank,
                                    nproc_per_node=nproc_per_node)
     exposed = nodes_lib.check_hosts(layout, bind_all=bind_all)
@@ -365,7 +393,7 @@ def plan_nodes(
         grace_period=float(grace_period),
         workers=_worker_specs(command, environ, addresses=layout.addresses,
                               nproc_per_node=nproc_per_node, node_rank=node_rank,
-                              restart_count=0, bind_env=bind_env),
+                              restart_count=0, bind_env=bind_env, gpus=gpus),
         max_restarts=max_restarts,
         fixed_ports=True,
         nnodes=nnodes,
@@ -375,6 +403,8 @@ def plan_nodes(
         bind_all=bind_all,
         exposed=tuple(exposed),
         bind_warning=bind_warning,
+        gpus=gpus,
+        gpu_warning=gpu_warning,
     )
 
 
@@ -486,6 +516,10 @@ def run_plan(
             "network.")
     if plan.bind_warning:
         warnings.append(plan.bind_warning)
+    if plan.gpu_warning:
+        warnings.append(f"warning: {plan.gpu_warning}")
+    if plan.gpus is not None:
+        warnings.append(plan.gpus.describe())
     return restarts.run_with_restarts(
         plan,
         describe=lambda p, attempt: p.describe(attempt),
@@ -507,6 +541,7 @@ def run_local(
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
     max_restarts: int = 0,
+    gpus_per_proc: int | None = None,
 ) -> int:
     """Runs `command` as `nproc_per_node` local workers; returns the exit code.
 
@@ -519,5 +554,6 @@ def run_local(
     0
     """
     plan = plan_local(command, nproc_per_node=nproc_per_node, port=port,
-                      grace_period=grace_period, environ=environ, max_restarts=max_restarts)
+                      grace_period=grace_period, environ=environ, max_restarts=max_restarts,
+                      gpus_per_proc=gpus_per_proc)
     return run_plan(plan, stdout=stdout, stderr=stderr)

@@ -1,10 +1,12 @@
-"""The devices a process trains on: logical CPU devices, and what XLA can compile over them.
+"""The devices a process trains on: logical CPU devices, GPU memory, and what XLA can compile.
 
-This module owns two device facts: splitting the host CPU into logical
+This module owns three device facts: splitting the host CPU into logical
 devices (`configure_cpu_devices`, so every multi-replica path runs without
-GPUs) and refusing `jit_compile` where TensorFlow's XLA cannot run the
-strategy's devices (`check_jit_compile_supported`). Which strategy to build
-over the devices is `tfdp.distribute.strategy`'s.
+GPUs), GPU memory growth (`configure_gpu_memory_growth`), and refusing
+`jit_compile` where TensorFlow's XLA cannot run the strategy's devices
+(`check_jit_compile_supported`). Which GPUs a process sees is decided before
+it starts (`CUDA_VISIBLE_DEVICES`, set per worker by `tfdp-launch`); which
+strategy to build over the devices is `tfdp.distribute.strategy`'s.
 """
 
 from __future__ import annotations
@@ -54,6 +56,45 @@ def configure_cpu_devices(count: int) -> None:
             f"before any TensorFlow op runs or any tensor, model or strategy is "
             f"created."
         ) from error
+
+
+def configure_gpu_memory_growth() -> int:
+    """Makes TensorFlow allocate GPU memory as needed instead of all of it at start.
+
+    By default TensorFlow reserves almost all the memory of every GPU it can
+    see when it initialises them; with memory growth on (TensorFlow's
+    `tf.config.experimental.set_memory_growth`, the same as
+    `TF_FORCE_GPU_ALLOW_GROWTH=true`) it starts small and grows, so other
+    processes can share the GPU, at the cost of fragmentation. Memory once
+    taken is not given back. Applies to every GPU this process sees (see
+    `CUDA_VISIBLE_DEVICES`); without GPUs it does nothing.
+
+    Must run before TensorFlow initialises its devices (before the first op,
+    tensor, model or strategy).
+
+    Returns:
+        The number of GPUs configured (0 without GPUs).
+
+    Raises:
+        RuntimeError: TensorFlow already initialised its GPUs without memory
+            growth.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as error:
+            if tf.config.experimental.get_memory_growth(gpu):
+                continue  # already on: nothing to change
+            raise RuntimeError(
+                "GPU memory growth must be set before TensorFlow initialises its GPUs, "
+                "but they are already initialised. Call tfdp.make_strategy(memory_growth="
+                "True) (or tfdp.distribute.devices.configure_gpu_memory_growth()) at the "
+                "start of the program, before any TensorFlow op runs or any tensor, model "
+                "or strategy is created, or set TF_FORCE_GPU_ALLOW_GROWTH=true in the "
+                "environment."
+            ) from error
+    return len(gpus)
 
 
 def check_jit_compile_supported(strategy: tf.distribute.Strategy) -> None:

@@ -65,6 +65,8 @@ class StrategyPlan:
         num_replicas: replicas in sync the strategy will have, over all
             workers (known before it is built, to validate batch sizes before
             any collective starts).
+        memory_growth: whether GPU memory grows as needed instead of being
+            reserved at start (`tfdp.distribute.devices.configure_gpu_memory_growth`).
     """
 
     kind: str
@@ -77,6 +79,7 @@ class StrategyPlan:
     startup_timeout: float | None = None
     warnings: tuple[str, ...] = ()
     num_replicas: int = 1
+    memory_growth: bool = False
 
 
 def plan_strategy(
@@ -91,6 +94,7 @@ def plan_strategy(
     bytes_per_pack: int | None = None,
     timeout_seconds: float | None = None,
     startup_timeout: float | None = None,
+    memory_growth: bool = False,
 ) -> StrategyPlan:
     """Decides which strategy to build, from arguments and visible hardware.
 
@@ -106,6 +110,7 @@ def plan_strategy(
             bytes_per_pack, timeout_seconds: see `make_strategy`.
         startup_timeout: seconds, or `None` (TensorFlow's own wait); unlike
             `make_strategy`, no environment variable is read here.
+        memory_growth: see `make_strategy`.
 
     Returns:
         A `StrategyPlan`.
@@ -133,6 +138,20 @@ def plan_strategy(
         )
     if startup_timeout is not None:
         startup.check_seconds("startup_timeout", startup_timeout)
+    if not isinstance(memory_growth, bool):
+        raise TypeError(
+            f"`memory_growth` must be True or False. Received: memory_growth={memory_growth!r}")
+    plan = _plan_kind(kind, num_gpus=num_gpus, num_workers=num_workers,
+                      cpu_replicas=cpu_replicas, cross_device_ops=cross_device_ops,
+                      num_packs=num_packs, communication=communication,
+                      bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
+                      startup_timeout=startup_timeout)
+    return dataclasses.replace(plan, memory_growth=memory_growth)
+
+
+def _plan_kind(kind, *, num_gpus, num_workers, cpu_replicas, cross_device_ops, num_packs,
+               communication, bytes_per_pack, timeout_seconds, startup_timeout) -> StrategyPlan:
+    """`plan_strategy` after its arguments are checked: the kind and its settings."""
     if cpu_replicas is not None and cpu_replicas > 1 and num_gpus > 0:
         raise ValueError(
             f"`cpu_replicas` splits the CPU into logical devices for testing "
@@ -323,6 +342,8 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
     """Builds the TensorFlow strategy `plan` describes; logs its fallbacks."""
     for warning in plan.warnings:
         logging.warning("tfdp.make_strategy: %s", warning)
+    if plan.memory_growth:
+        devices.configure_gpu_memory_growth()  # before any strategy initialises the GPUs
     if plan.kind == "default":
         return tf.distribute.get_strategy()
     if plan.kind == "one_device":
@@ -341,10 +362,10 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
         # MirroredStrategy all-reduces with collectives on CPUs, which hit the
         # tf.cond capture bug under steps_per_execution > 1 too.
         keras_multi_worker.apply()
-        devices = None if plan.devices is None else list(plan.devices)
+        device_list = None if plan.devices is None else list(plan.devices)
         strategy_internals.reserve_collective_keys()
         return tf.distribute.MirroredStrategy(
-            devices=devices, cross_device_ops=_cross_device_ops(plan)
+            devices=device_list, cross_device_ops=_cross_device_ops(plan)
         )
     keras_multi_worker.apply()
     return _build_multi_worker(plan, config)
@@ -389,6 +410,7 @@ def make_strategy(
     timeout_seconds: float | None = None,
     num_packs: int = 1,
     startup_timeout: float | None = None,
+    memory_growth: bool = False,
 ) -> tf.distribute.Strategy:
     """Builds the distribution strategy for this host and cluster.
 
@@ -428,6 +450,14 @@ def make_strategy(
             waits for all the others to start before failing with the
             addresses that did not answer. Defaults to `None`: the
             `TFDP_STARTUP_TIMEOUT` environment variable, else 120 s.
+        memory_growth: let TensorFlow allocate GPU memory as needed instead
+            of reserving almost all of every visible GPU's memory at start
+            (`tf.config.experimental.set_memory_growth` on each GPU). Defaults
+            to False, as in TensorFlow. No effect without GPUs.
+
+    The GPUs are the ones this process can see: under `tfdp-launch
+    --nproc_per_node N` each worker sees only its own share of the node's
+    GPUs (`CUDA_VISIBLE_DEVICES`), and mirrors over those.
 
     Returns:
         A `tf.distribute.Strategy`. On the chief, its `strategy_info` is
@@ -436,8 +466,8 @@ def make_strategy(
     Raises:
         ValueError: an argument is invalid or contradicts the cluster, or
             TF_CONFIG is malformed (the message names the field).
-        RuntimeError: `cpu_replicas` was asked for after TensorFlow had
-            already initialised its devices.
+        RuntimeError: `cpu_replicas` or `memory_growth` was asked for after
+            TensorFlow had already initialised its devices.
         tfdp.distribute.startup.StartupError: MultiWorkerMirroredStrategy: this
             worker's port is in use, or other workers did not answer within
             `startup_timeout` (the message names their addresses).
@@ -458,6 +488,7 @@ def make_strategy(
         bytes_per_pack=bytes_per_pack,
         timeout_seconds=timeout_seconds,
         startup_timeout=startup_timeout,
+        memory_growth=memory_growth,
     )
     if plan.kind == "mirrored" and plan.devices is not None:
         devices.configure_cpu_devices(len(plan.devices))

@@ -12,6 +12,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfdp.distribute import visible_gpus as visible_gpus_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class StrategyInfo:
@@ -27,6 +29,10 @@ class StrategyInfo:
         devices: this worker's compute devices, one per local replica.
         all_reduce: the gradient all-reduce in use (see
             `tfdp._upstream.strategy_internals.all_reduce_name`).
+        visible_gpus: the physical GPUs this process may use, as
+            `CUDA_VISIBLE_DEVICES` names them (indices or UUIDs; its local
+            `GPU:0` is the first), or None when the variable is unset (every
+            GPU of the host). Defaults to None.
     """
 
     strategy: str
@@ -36,15 +42,21 @@ class StrategyInfo:
     num_replicas_in_sync: int
     devices: tuple[str, ...]
     all_reduce: str
+    visible_gpus: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        return (
+        text = (
             f"{self.strategy}: {self.num_workers} worker(s), this is worker "
             f"{self.worker_index}{' (chief)' if self.is_chief else ''}; "
             f"{self.num_replicas_in_sync} replica(s) in sync; local devices "
             f"{', '.join(self.devices)}; all-reduce {self.all_reduce}"
         )
+        if self.visible_gpus is not None:
+            text += (f"; visible GPUs {','.join(self.visible_gpus) or 'none'} "
+                     f"({visible_gpus_lib.VISIBLE_DEVICES_VAR})")
+        return text
+
 
 
 def _public_name(strategy: tf.distribute.Strategy) -> str:
@@ -99,4 +111,5 @@ def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInf
         num_replicas_in_sync=strategy.num_replicas_in_sync,
         devices=_local_devices(strategy),
         all_reduce=strategy_internals.all_reduce_name(strategy),
+        visible_gpus=visible_gpus_lib.visible_gpus(),
     )
