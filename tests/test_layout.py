@@ -2,7 +2,8 @@
 
 - Layers, bottom to top: the library's shared checks and upstream fixes
   (`tfdp._checks`, `tfdp._upstream`), the runtime wing (`tfdp.distribute`),
-  the training wing (`tfdp.training`), the public API (`tfdp`,
+  the training and inference wings (`tfdp.training`,
+  `tfdp.inference`), the public API (`tfdp`,
   `tfdp.optimizers`, `tfdp.callbacks`); beside the library, the input
   pipelines (`tfdp.pipelines`), the models (`tfdp.models`) and the launcher
   (`tfdp.launch`); above everything, the application (`tfdp.app`) and the
@@ -70,8 +71,8 @@ def _layer(module):
         return 0
     if module.startswith("tfdp.distribute"):
         return 1
-    if module.startswith("tfdp.training"):
-        return 2
+    if module.startswith(("tfdp.training", "tfdp.inference")):
+        return 2  # the training and inference wings, side by side
     if module.startswith(("tfdp.pipelines", "tfdp.models", "tfdp.launch")):
         return 3  # beside the library: may use all of it
     if module in ("tfdp", "tfdp.optimizers", "tfdp.callbacks", "tfdp.compression"):

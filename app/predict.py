@@ -1,0 +1,198 @@
+"""`tfdp-predict`: score a registered dataset with a `tfdp-train` run's model, data-parallel.
+
+    tfdp-predict --model_dir runs/digits --dataset=digits --split=test --output_dir preds/
+    tfdp-launch --nproc_per_node 2 -- tfdp-predict --model_dir runs/digits --output_dir preds/
+
+The model is rebuilt from the run's `summary.json` (model name, the dataset it
+was trained on) and its final weights are restored from the run's checkpoint
+with `tf.train.Checkpoint`: TensorFlow's own reader, never pickle. Every
+worker scores its own shards into `--output_dir` (`tfdp.predict`); a rerun of
+the same command scores only the shards that are not complete, so
+`tfdp-launch --max_restarts N` resumes a killed job. Read the result with
+`tfdp.read_predictions(output_dir)`.
+
+Bad input exits 2 with one line before anything is written: a `--model_dir`
+without a finished run, a dataset whose examples do not fit the model, an
+`--output_dir` holding another model's predictions or one that cannot be
+written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Sequence
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+from tfdp.app.process_logging import configure_logging  # noqa: E402
+from tfdp.app.process_logging import process_is_chief  # noqa: E402
+from tfdp.distribute import peer_failures  # noqa: E402
+from tfdp.distribute import startup  # noqa: E402
+from tfdp.distribute import strategy as strategy_lib  # noqa: E402
+
+flags.DEFINE_string("model_dir", None, "A finished tfdp-train run: its summary.json names the "
+                    "model, its checkpoint holds the weights.")
+flags.DEFINE_string("dataset", None, "Registered dataset to score (default: the one the run "
+                    "was trained on).")
+flags.DEFINE_string("split", "test", "Split of --dataset to score.")
+flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDP_DATA_DIR or "
+                    "~/tensorflow_datasets).")
+flags.DEFINE_string("output_dir", None, "Where the prediction shards and index.json go.")
+flags.DEFINE_enum("output_format", "tfrecord", ["tfrecord", "npz", "parquet"],
+                  "tfrecord: a tf.train.Example per example; npz: NumPy archives; parquet: "
+                  "needs pyarrow.")
+flags.DEFINE_integer("batch_size", None, "Examples per step over all replicas of all workers "
+                     "(default: 32 per replica).")
+flags.DEFINE_integer("shard_size", None, "Examples per output shard (default: the size recorded "
+                     "in --output_dir, else about 4 shards per worker).")
+flags.DEFINE_enum("strategy", "auto", strategy_lib.KINDS, "Distribution strategy.")
+flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas (one process, "
+                     "no GPU).")
+flags.DEFINE_float("log_every_seconds", 10.0, "Seconds between the chief's progress lines.")
+flags.mark_flags_as_required(["model_dir", "output_dir"])
+
+FLAGS = flags.FLAGS
+
+
+class UsageError(ValueError):
+    """Bad flags or files: exit 2 with one line."""
+
+
+def finished_run(model_dir: str) -> dict:
+    """The `summary.json` of the finished `tfdp-train` run in `model_dir`.
+
+    Raises:
+        UsageError: there is no finished run there (no summary.json, or no
+            checkpoint of the final weights).
+    """
+    summary_path = os.path.join(model_dir, "summary.json")
+    if not os.path.isdir(model_dir):
+        raise UsageError(f"--model_dir={model_dir} does not exist. Pass a tfdp-train run's "
+                         f"--model_dir.")
+    if not os.path.isfile(summary_path):
+        raise UsageError(
+            f"--model_dir={model_dir} holds no finished tfdp-train run (no summary.json: the "
+            f"run was not started there or has not finished). Finish the run first (rerun its "
+            f"tfdp-train command), or pass another --model_dir."
+        )
+    if not os.path.isfile(os.path.join(model_dir, "checkpoint")):
+        raise UsageError(
+            f"--model_dir={model_dir} has a summary.json but no checkpoint of the final "
+            f"weights; it was trained without --model_dir or the checkpoint was removed."
+        )
+    with open(summary_path) as f:
+        summary = json.load(f)
+    if "config" not in summary or "model" not in summary["config"]:
+        raise UsageError(f"{summary_path} is not a tfdp-train summary (no config.model).")
+    return summary
+
+
+def restore_model(model_dir: str, run_config: dict, strategy, *, data_dir):
+    """The run's model with its final weights, built under `strategy.scope()`."""
+    import keras
+    import tensorflow as tf
+
+    from tfdp import models
+    from tfdp import pipelines
+
+    trained_on = pipelines.describe_source(run_config["dataset"], split="train", data_dir=data_dir)
+    if run_config.get("mixed_precision", "none") != "none":
+        keras.config.set_dtype_policy(run_config["mixed_precision"])
+    with strategy.scope():
+        model = models.get(run_config["model"], input_shape=tuple(trained_on.features.shape),
+                           num_classes=trained_on.num_classes)
+    checkpoint_path = tf.train.latest_checkpoint(model_dir)
+    status = tf.train.Checkpoint(model=model).restore(checkpoint_path)
+    try:
+        status.expect_partial().assert_existing_objects_matched()
+    except AssertionError as error:
+        raise UsageError(
+            f"The checkpoint {checkpoint_path} does not hold the weights of model "
+            f"{run_config['model']!r}: {str(error).splitlines()[0]}"
+        ) from None
+    return model, checkpoint_path
+
+
+def _dataset(name: str, split: str, data_dir):
+    """The split's raw examples and the preprocessing tfdp-train applies to them."""
+    from tfdp import pipelines
+
+    try:
+        pipelines.check_source_name(name)
+        source = pipelines.get_source(name, split=split, data_dir=data_dir)
+        source.check_split(split)
+    except ValueError as error:
+        raise UsageError(f"--dataset/--split: {error}") from None
+    dataset = source.read(split)
+    features = dataset.element_spec[0]
+    preprocess = None
+    if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
+        preprocess = pipelines.for_images(training=False)
+    return dataset, preprocess
+
+
+def run_predict() -> dict:
+    """Scores `--dataset` with the model of `--model_dir`; returns the chief's summary."""
+    import dataclasses
+
+    import tfdp
+    from tfdp.inference import shard_formats
+    from tfdp.inference.shard_store import ShardStore
+
+    summary = finished_run(FLAGS.model_dir)
+    run_config = summary["config"]
+    try:
+        shard_formats.check_format(FLAGS.output_format)
+    except ValueError as error:
+        raise UsageError(f"--output_format: {error}") from None
+    try:  # before any collective
+        ShardStore(FLAGS.output_dir, FLAGS.output_format).check_writable()
+    except ValueError as error:
+        raise UsageError(f"--output_dir: {error}") from None
+    strategy = strategy_lib.make_strategy(FLAGS.strategy, cpu_replicas=FLAGS.cpu_replicas)
+    dataset_name = FLAGS.dataset or run_config["dataset"]
+    data_dir = FLAGS.data_dir if FLAGS.data_dir is not None else run_config.get("data_dir")
+    dataset, preprocess = _dataset(dataset_name, FLAGS.split, data_dir)
+    model, checkpoint = restore_model(FLAGS.model_dir, run_config, strategy, data_dir=data_dir)
+    try:
+        result = tfdp.predict(
+            model, dataset, output_dir=FLAGS.output_dir, strategy=strategy,
+            batch_size=FLAGS.batch_size, output_format=FLAGS.output_format,
+            shard_size=FLAGS.shard_size, preprocess=preprocess,
+            model_identity={"name": run_config["model"],
+                            "checkpoint": os.path.abspath(checkpoint)},
+            log_every_seconds=FLAGS.log_every_seconds,
+        )
+    except ValueError as error:
+        raise UsageError(f"{error} (--model_dir={FLAGS.model_dir}, --dataset={dataset_name}, "
+                         f"--split={FLAGS.split})") from None
+    return dataclasses.asdict(result)
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        configure_logging(process_is_chief())
+        with peer_failures.explain_peer_failures(collective_timeout=None):
+            run_predict()
+    except UsageError as error:
+        print(f"tfdp-predict: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except (startup.StartupError, peer_failures.PeerFailureError) as error:
+        print(f"tfdp-predict: error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run() -> None:
+    """Console-script entry point (`tfdp-predict`)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
