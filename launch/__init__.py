@@ -19,9 +19,14 @@ as one fails.
   unauthenticated.
 - Restarts: `--max_restarts K` stops and restarts the whole group after a
   worker fails, up to K times (`tfdp.launch.restarts`); a signal never restarts.
+- GPUs: each local worker gets its own share of the node's GPUs through
+  `CUDA_VISIBLE_DEVICES` (`tfdp.launch.gpus`; `--gpus_per_proc K`).
 - Schedulers: `tfdp-launch slurm ...` writes or submits an sbatch script
   (`tfdp.launch.sbatch`; the workers then find the cluster through `tfdp.distribute.slurm_env`),
-  `tfdp-launch k8s ...` writes a Kubeflow TFJob manifest (`tfdp.launch.k8s`).
+  `tfdp-launch k8s ...` writes a Kubeflow TFJob manifest (`tfdp.launch.k8s`),
+  whose containers run `tfdp-launch tfjob-worker -- COMMAND`
+  (`tfdp.launch.tfjob_worker`: SIGTERM forwarding, exit codes the operator's
+  restart policy understands).
 
 Exit status of `tfdp-launch` (without a subcommand):
 
@@ -33,12 +38,15 @@ Exit status of `tfdp-launch` (without a subcommand):
 - 126/127: a worker could not be started.
 
 Modules: `tfdp.launch.local` (what each worker runs, with which environment),
+`tfdp.launch.gpus` (each worker's GPUs),
 `tfdp.launch.nodes` (multi-node layout and address checks), `tfdp.launch.restarts`
 (the attempt loop), `tfdp.launch.worker_group` (start, supervise, stop a set of
 processes), `tfdp.launch.output` (rank-prefixed output, log tails),
 `tfdp.launch.signals` (signal catching), `tfdp.launch.bind` (the bind shim), `tfdp.launch._proc` (process groups, /proc,
-reaping), `tfdp.launch.sbatch` and `tfdp.launch.k8s` (scheduler files). This
+reaping), `tfdp.launch.sbatch` and `tfdp.launch.k8s` (scheduler files),
+`tfdp.launch.tfjob_worker` (a TFJob container's entry point). This
 package imports only the library modules that load without TensorFlow
-(`tfdp._checks`, `tfdp.distribute.cluster`, `tfdp.distribute.local_cluster`);
+(`tfdp._checks`, `tfdp.distribute.cluster`, `tfdp.distribute.local_cluster`,
+`tfdp.distribute.visible_gpus`);
 the library never imports it.
 """

@@ -8,6 +8,7 @@ Usage:
                      -- COMMAND [ARGS...]
     tfdp-launch slurm --nodes M --ntasks_per_node N [...] [--submit] -- COMMAND [ARGS...]
     tfdp-launch k8s --image IMAGE --workers N [...] [--output FILE] -- COMMAND [ARGS...]
+    tfdp-launch tfjob-worker -- COMMAND [ARGS...]   (a TFJob container's entry point)
 
 Reads the flags, validates them (exit status 2 with a message, before anything
 starts), then calls one library function. See the `launch` package docstring
@@ -86,12 +87,27 @@ Example:
 _K8S_EPILOG = """\
 Writes a Kubeflow TFJob manifest (kubeflow.org/v1; needs the Kubeflow Training
 Operator): N worker replicas running COMMAND in a container named
-"tensorflow", restartPolicy OnFailure. The operator sets every pod's
-TF_CONFIG; worker 0 is the chief.
+"tensorflow". The operator sets every pod's TF_CONFIG; worker 0 is the chief.
+
+Resuming: a restarted pod has a new container filesystem. --pvc NAME mounts
+that PersistentVolumeClaim at --mount_path (default /workspace) in every
+worker; with restarts on, a --model_dir in COMMAND must lie under it (or be a
+remote URL such as gs://...), else nothing is written and the exit status is 2.
+
+Restart policy (--restart_policy):
+  ExitCode  (default) COMMAND runs under `tfdp-launch tfjob-worker`, which
+            forwards SIGTERM and maps exit codes onto the operator's: 2
+            (configuration error) and other errors fail the job; 42 (preempted,
+            state saved; reported as 138), 143 (SIGTERM) and 137 (SIGKILL)
+            re-create the pod. Not counted against --backoff_limit.
+  OnFailure every non-zero exit restarts the container, up to --backoff_limit
+            restarts over the whole job.
+  Never     no restart.
 
 Example:
   tfdp-launch k8s --image registry.example.com/tfdp:0.1 --workers 4 \\
-      --gpus_per_worker 1 --output tfjob.yaml -- tfdp-train --model mlp
+      --gpus_per_worker 1 --pvc tfdp-runs --output tfjob.yaml -- \\
+      tfdp-train --model mlp --model_dir /workspace/runs/mlp-1
   kubectl apply -f tfjob.yaml
 """
 
@@ -255,7 +271,10 @@ def _main_k8s(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tfdp-launch k8s",
         usage=("%(prog)s --image IMAGE --workers N [--name NAME] [--namespace NS]\n"
-               "       [--gpus_per_worker G] [--cpu C] [--memory M] [--output FILE]\n"
+               "       [--gpus_per_worker G] [--cpu C] [--memory M]\n"
+               "       [--pvc NAME [--mount_path PATH]] [--restart_policy P]\n"
+               "       [--backoff_limit K] [--clean_pod_policy C] [--ttl_seconds_after_finished S]\n"
+               "       [--gang [--queue Q]] [--grace_period S] [--output FILE]\n"
                "       -- COMMAND [ARGS ...]"),
         description="Write a Kubeflow TFJob manifest running COMMAND as a tfdp job.",
         epilog=_K8S_EPILOG,
@@ -274,6 +293,28 @@ def _main_k8s(argv: Sequence[str]) -> int:
                         help="CPU request and limit per worker, e.g. 4 or 500m")
     parser.add_argument("--memory", default=None, metavar="M",
                         help="memory request and limit per worker, e.g. 16Gi")
+    parser.add_argument("--pvc", default=None, metavar="NAME",
+                        help="PersistentVolumeClaim mounted in every worker (for --model_dir)")
+    parser.add_argument("--mount_path", default=k8s.DEFAULT_MOUNT_PATH, metavar="PATH",
+                        help=f"where --pvc is mounted (default: {k8s.DEFAULT_MOUNT_PATH})")
+    parser.add_argument("--restart_policy", default="ExitCode", choices=k8s.RESTART_POLICIES,
+                        help="worker restart policy (default: ExitCode; see below)")
+    parser.add_argument("--backoff_limit", type=int, default=k8s.DEFAULT_BACKOFF_LIMIT,
+                        metavar="K", help="restarts (OnFailure) before the job fails "
+                                          f"(default: {k8s.DEFAULT_BACKOFF_LIMIT})")
+    parser.add_argument("--clean_pod_policy", default="Running", choices=k8s.CLEAN_POD_POLICIES,
+                        help="pods deleted when the job ends (default: Running, the pods "
+                             "still running)")
+    parser.add_argument("--ttl_seconds_after_finished", type=int, default=None, metavar="S",
+                        help="delete the finished job S seconds after it ends (default: keep)")
+    parser.add_argument("--gang", action="store_true",
+                        help="schedule all workers together (runPolicy.schedulingPolicy; "
+                             "needs an operator run with a gang scheduler such as Volcano)")
+    parser.add_argument("--queue", default=None, metavar="Q",
+                        help="the gang scheduler's queue (with --gang)")
+    parser.add_argument("--grace_period", type=int, default=None, metavar="S",
+                        help="seconds from a pod's SIGTERM to SIGKILL, time for the "
+                             "preemption save (default: Kubernetes' 30)")
     parser.add_argument("--output", default=None, metavar="FILE",
                         help="write the manifest to FILE (default: stdout)")
     args, command = _split_command(
@@ -281,9 +322,16 @@ def _main_k8s(argv: Sequence[str]) -> int:
     try:
         spec = k8s.plan_tfjob(command, image=args.image, workers=args.workers, name=args.name,
                               namespace=args.namespace, gpus_per_worker=args.gpus_per_worker,
-                              cpu=args.cpu, memory=args.memory)
+                              cpu=args.cpu, memory=args.memory,
+                              restart_policy=args.restart_policy, pvc=args.pvc,
+                              mount_path=args.mount_path, backoff_limit=args.backoff_limit,
+                              clean_pod_policy=args.clean_pod_policy,
+                              ttl_seconds_after_finished=args.ttl_seconds_after_finished,
+                              gang=args.gang, queue=args.queue, grace_period=args.grace_period)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
+    for warning in spec.warnings:
+        print(f"[launch] warning: {warning}", file=sys.stderr)
     text = k8s.to_yaml(spec)
     if args.output is None:
         sys.stdout.write(text)
@@ -299,18 +347,35 @@ def _main_k8s(argv: Sequence[str]) -> int:
     return 0
 
 
+def _main_tfjob_worker(argv: Sequence[str]) -> int:
+    from tfdp.launch import tfjob_worker
+
+    parser = argparse.ArgumentParser(
+        prog="tfdp-launch tfjob-worker",
+        usage="%(prog)s -- COMMAND [ARGS ...]",
+        description="Run COMMAND as one TFJob worker container's program (the entry point "
+                    "`tfdp-launch k8s` writes under restartPolicy ExitCode): SIGTERM and "
+                    "SIGINT are forwarded to it, and its exit status is mapped onto the "
+                    "Training Operator's retryable codes: 42 (preempted, state saved) "
+                    "becomes 138, death by signal N becomes 128+N, others are kept.",
+    )
+    _, command = _split_command(parser, argv, "tfdp-launch tfjob-worker -- tfdp-train")
+    return tfjob_worker.run(command)
+
+
 #: Subcommands; without one, `tfdp-launch` launches workers itself.
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "slurm": _main_slurm,
     "k8s": _main_k8s,
+    "tfjob-worker": _main_tfjob_worker,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses `argv` (default: `sys.argv[1:]`), runs the launch, returns its status.
 
-    `slurm` or `k8s` as the first argument selects that subcommand; anything
-    else is a launch of workers on this node.
+    `slurm`, `k8s` or `tfjob-worker` as the first argument selects that
+    subcommand; anything else is a launch of workers on this node.
 
     Raises:
         SystemExit: with status 2 and a message for invalid arguments.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tfdp._checks import check_int, echo
+from tfdp._checks import check_choice, check_int, echo
 
-__all__ = ["check_command", "check_int", "echo"]
+__all__ = ["check_choice", "check_command", "check_int", "echo"]
 
 
 def check_command(command: Any, *, example: str) -> tuple[str, ...]:

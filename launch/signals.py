@@ -61,6 +61,11 @@ class SignalCatcher:
         return self._received[0] if self._received else None
 
     @property
+    def received(self) -> tuple[int, ...]:
+        """Every signal received so far, in order."""
+        return tuple(self._received)
+
+    @property
     def count(self) -> int:
         """How many signals were received (a second one means "hurry up")."""
         return len(self._received)

@@ -24,15 +24,16 @@ def test_cli_prints_a_tfjob_manifest(capsys):
     assert list(manifest["spec"]["tfReplicaSpecs"]) == ["Worker"]  # worker 0 is the chief
     worker = manifest["spec"]["tfReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4
-    assert worker["restartPolicy"] == "OnFailure"
+    assert worker["restartPolicy"] == "ExitCode"
     container = _container(manifest)
     assert container["name"] == "tensorflow"
     assert container["image"] == "registry.example.com/tfdp:0.1"
-    assert container["command"] == ["tfdp-train"]
-    assert container["args"] == ["--model", "mlp", "--epochs", "3"]
+    # Under ExitCode the command runs behind the exit-code mapper.
+    assert container["command"] == ["tfdp-launch", "tfjob-worker", "--"]
+    assert container["args"] == ["tfdp-train", "--model", "mlp", "--epochs", "3"]
     assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222}]
     assert container["resources"] == {
-        "limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1},
+        "limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
         "requests": {"cpu": "4", "memory": "16Gi"}}
     # The operator sets TF_CONFIG; the manifest must not.
     assert all(entry["name"] != "TF_CONFIG" for entry in container.get("env", []))
@@ -43,7 +44,12 @@ def test_minimal_manifest_has_no_resources_or_namespace():
                                                          workers=1)))
     assert manifest["metadata"] == {"name": "tfdp"}
     assert "resources" not in _container(manifest)
-    assert _container(manifest)["args"] == []
+    assert "volumeMounts" not in _container(manifest)
+    assert _container(manifest)["args"] == ["tfdp-train"]
+    on_failure = k8s.manifest(k8s.plan_tfjob(["tfdp-train"], image="tfdp", workers=1,
+                                             restart_policy="OnFailure"))
+    assert (_container(on_failure)["command"], _container(on_failure)["args"]) == (
+        ["tfdp-train"], [])
 
 
 def test_output_file(tmp_path, capsys):
