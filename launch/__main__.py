@@ -46,7 +46,7 @@ r*N+i.
 Binding. TensorFlow's gRPC server listens on all interfaces whatever
 TF_CONFIG says; the launcher preloads a bind() shim (launch/bindshim.c, built
 once with cc) so each worker listens only on its own --hosts address
-(127.0.0.1 by default; a warning says so if no C compiler is found). The
+(127.0.0.1 by default; when it cannot be built, a warning says why). The
 endpoints have no authentication: a job on addresses other machines can reach
 logs a warning and must run on a private, firewalled network. With --bind_all
 there is no shim and the workers listen on all interfaces (also warned).

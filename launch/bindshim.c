@@ -6,6 +6,9 @@
  *   - AF_INET  INADDR_ANY   -> A.B.C.D
  *   - AF_INET6 in6addr_any  -> ::ffff:A.B.C.D (a dual-stack socket then still
  *                              accepts IPv4 connections to A.B.C.D)
+ *   - AF_INET6 in6addr_any on an IPV6_V6ONLY socket, which cannot take an
+ *     IPv4 address -> ::1 when A.B.C.D is loopback (127.0.0.0/8), else the
+ *     bind fails with EADDRNOTAVAIL instead of listening on every interface
  * and passes every other bind through unchanged. Without the variable (or
  * with an invalid one) it changes nothing.
  *
@@ -53,6 +56,16 @@ int bind(int fd, const struct sockaddr *addr, socklen_t len) {
       struct sockaddr_in6 in6;
       memcpy(&in6, addr, sizeof in6);
       if (memcmp(&in6.sin6_addr, &in6addr_any, sizeof in6addr_any) == 0) {
+        int v6only = 0;
+        socklen_t optlen = sizeof v6only;
+        if (getsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, &optlen) == 0 && v6only) {
+          if ((ntohl(bind_address.s_addr) >> 24) != 127) {
+            errno = EADDRNOTAVAIL;
+            return -1;
+          }
+          in6.sin6_addr = in6addr_loopback;
+          return real_bind(fd, (const struct sockaddr *)&in6, sizeof in6);
+        }
         memset(&in6.sin6_addr, 0, sizeof in6.sin6_addr);
         in6.sin6_addr.s6_addr[10] = 0xff;
         in6.sin6_addr.s6_addr[11] = 0xff;

@@ -199,9 +199,10 @@ def _bind_environment(host: str, environ: Mapping[str, str]) -> tuple[dict[str, 
     if address is None:
         return {}, (f"warning: workers will listen on all interfaces: the bind shim "
                     f"(launch/bindshim.c) binds IPv4 addresses only, and {host!r} has none.")
-    if bind_lib.shim_path() is None:
-        return {}, ("warning: workers will listen on all interfaces: no C compiler (cc or "
-                    "gcc) was found to build the bind shim (launch/bindshim.c).")
+    build = bind_lib.build_shim()
+    if build.path is None:
+        return {}, ("warning: workers will listen on all interfaces: the bind shim "
+                    f"(launch/bindshim.c) could not be built: {build.error}.")
     return bind_lib.worker_environment(address, ld_preload=environ.get("LD_PRELOAD", "")), ""
 
 

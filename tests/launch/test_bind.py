@@ -3,6 +3,7 @@
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -79,10 +80,107 @@ def test_plans_give_workers_the_shim_unless_bind_all(monkeypatch):
     assert "TFDP_BIND_ADDRESS" not in exposed.workers[0].env
     assert exposed.workers[0].env["LD_PRELOAD"] == "/lib/x.so"
     # No compiler: no shim, and a warning that the workers listen on all interfaces.
-    monkeypatch.setattr(bind_lib, "shim_path", lambda: None)
+    monkeypatch.setattr(bind_lib, "build_shim",
+                        lambda: bind_lib.ShimBuild(None, "no C compiler was found"))
     plan = local.plan_local(["python"], nproc_per_node=1, environ=environ)
     assert "TFDP_BIND_ADDRESS" not in plan.workers[0].env
-    assert "listen on all interfaces" in plan.bind_warning
+    assert plan.bind_warning == (
+        "warning: workers will listen on all interfaces: the bind shim (launch/bindshim.c) "
+        "could not be built: no C compiler was found.")
+
+
+# -- building the shim: the reason when it fails, one library per platform ------
+
+def _fresh_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(bind_lib, "_cached", {})
+
+
+def test_a_failing_compiler_is_quoted_in_the_warning(monkeypatch, tmp_path):
+    _fresh_cache(monkeypatch, tmp_path)
+    cc = tmp_path / "broken-cc"
+    cc.write_text("#!/bin/sh\necho 'bindshim.c:15:10: fatal error: dlfcn.h: No such file or "
+                  "directory' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    build = bind_lib.build_shim()
+    assert build.path is None
+    assert "failed with exit code 1: bindshim.c:15:10: fatal error: dlfcn.h: No such file" in (
+        build.error)
+    plan = local.plan_local(["python"], nproc_per_node=1,
+                            environ={"PATH": os.environ["PATH"]})
+    assert "could not be built: `" in plan.bind_warning
+    assert "fatal error: dlfcn.h" in plan.bind_warning
+    assert not list((tmp_path / "cache" / "tfdp").glob("*.so"))  # no half-written library
+
+
+def test_the_cache_is_keyed_on_architecture_and_libc(monkeypatch, tmp_path):
+    _fresh_cache(monkeypatch, tmp_path)
+    if bind_lib.build_shim().path is None:
+        pytest.skip("no C compiler")
+    here = bind_lib.build_shim().path
+    assert here.endswith(f"-{bind_lib.platform_tag()}.so")
+    assert bind_lib.platform_tag().split("-")[0] == os.uname().machine
+    # A home directory shared with another kind of machine: that machine's library is
+    # another file, never this one.
+    monkeypatch.setattr(bind_lib, "platform_tag", lambda: "aarch64-musl1.2")
+    other = bind_lib.build_shim().path
+    assert other != here and other.endswith("-aarch64-musl1.2.so")
+    assert sorted(p.name for p in (tmp_path / "cache" / "tfdp").glob("*.so")) == sorted(
+        [os.path.basename(here), os.path.basename(other)])
+
+
+# -- what the shim does with the addresses it meets ---------------------------
+
+V6ONLY_PROBE = textwrap.dedent("""
+    import socket
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    try:
+        s.bind(("::", 0))
+        print("bound", s.getsockname()[0])
+    except OSError as e:
+        print("refused", e.errno)
+""")
+
+
+@pytest.mark.parametrize("address,expected", [
+    ("127.0.0.1", "bound ::1"),
+    ("127.0.1.1", "bound ::1"),
+    ("10.1.2.3", "refused 99"),  # EADDRNOTAVAIL: never every IPv6 interface
+])
+def test_ipv6_only_wildcard_binds_stay_on_loopback_or_fail(address, expected):
+    if bind_lib.shim_path() is None:
+        pytest.skip("no C compiler")
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    env = dict(os.environ, **bind_lib.worker_environment(address, ld_preload=""))
+    done = subprocess.run([sys.executable, "-c", V6ONLY_PROBE], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.stdout.strip() == expected, done.stderr
+
+
+def test_debians_127_0_1_1_is_bound_and_reachable_on_this_machine():
+    # Debian's /etc/hosts maps the machine's own name to 127.0.1.1.
+    if bind_lib.shim_path() is None:
+        pytest.skip("no C compiler")
+    probe = textwrap.dedent("""
+        import socket
+        s = socket.socket(socket.AF_INET)
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        with socket.create_connection(("127.0.1.1", s.getsockname()[1]), timeout=5):
+            pass
+        try:
+            socket.create_connection(("127.0.0.1", s.getsockname()[1]), timeout=5)
+            print(s.getsockname()[0], "also-127.0.0.1")
+        except ConnectionRefusedError:
+            print(s.getsockname()[0], "only")
+    """)
+    env = dict(os.environ, **bind_lib.worker_environment("127.0.1.1", ld_preload=""))
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.stdout.split() == ["127.0.1.1", "only"], done.stderr
 
 
 # -- end to end: two TensorFlow workers through the launcher --------------------
