@@ -252,6 +252,14 @@ def _is_loopback(addresses: set[str]) -> bool:
     return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
+def _is_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
 def _bindable(address: str) -> bool:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -267,9 +275,12 @@ def check_hosts(layout: NodeLayout, *, bind_all: bool) -> list[str]:
 
     Resolves every host; refuses two entries that resolve to the same
     address with overlapping port ranges; lists the addresses other machines
-    can reach (for the launcher's warning); and checks that this node's
-    own address belongs to this machine (a wrong `node_rank` would otherwise
-    make two processes claim the same rank and hang the job).
+    can reach (for the launcher's warning); checks that this node's own
+    address belongs to this machine (a wrong `node_rank` would otherwise make
+    two processes claim the same rank and hang the job); and refuses this
+    node's entry when it is a name that resolves to loopback here (Debian's
+    `127.0.1.1`) while other entries are on other machines, which could not
+    reach it. (A loopback IP literal is taken as meant, e.g. for tunnels.)
 
     Args:
         layout: from `plan_layout`.
@@ -282,7 +293,8 @@ def check_hosts(layout: NodeLayout, *, bind_all: bool) -> list[str]:
 
     Raises:
         ValueError: naming the `hosts` entry, if a host does not resolve,
-            two entries overlap, or this node's address is not this machine's.
+            two entries overlap, this node's address is not this machine's, or
+            this node's name resolves to loopback in a job with other machines.
     """
     resolved = [_resolve(entry, rank) for rank, entry in enumerate(layout.hosts)]
     n = layout.nproc_per_node
@@ -300,6 +312,16 @@ def check_hosts(layout: NodeLayout, *, bind_all: bool) -> list[str]:
     exposed = [str(entry) for entry, addresses in zip(layout.hosts, resolved)
                if not _is_loopback(addresses)]
     mine = resolved[layout.node_rank]
+    if exposed and _is_loopback(mine) and not _is_literal(layout.this_node.host):
+        raise ValueError(
+            f"`hosts` entry {layout.node_rank} ({layout.this_node}) names this machine, but "
+            f"the name resolves here to {', '.join(sorted(mine))}, a loopback address "
+            "(Debian's /etc/hosts maps a machine's own name to 127.0.1.1), while other "
+            f"nodes are on other machines ({exposed[0]}): their workers could not reach "
+            "this node's, which listen on that address only, and the job would hang at "
+            "start. Give this node's network address in `hosts` (its IP address, or a "
+            "name that resolves to it here too)."
+        )
     if not any(_bindable(address) for address in mine):
         raise ValueError(
             f"`node_rank` must be the position of this machine's own entry in `hosts`, "

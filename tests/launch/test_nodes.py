@@ -125,3 +125,32 @@ def test_two_names_of_one_machine_must_not_overlap():
     with pytest.raises(ValueError, match="are the same machine .* overlapping port ranges "
                                          "5000..5001 and 5001..5002"):
         nodes.check_hosts(layout, bind_all=False)
+
+
+def _fake_names(monkeypatch, names):
+    real = nodes.socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host in names:
+            return [(nodes.socket.AF_INET, nodes.socket.SOCK_STREAM, 6, "", (names[host], 0))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(nodes.socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_name_resolving_to_debians_127_0_1_1_is_refused_in_a_job_over_machines(monkeypatch):
+    # Debian's /etc/hosts: "127.0.1.1 node-a". node-b is another machine.
+    _fake_names(monkeypatch, {"node-a": "127.0.1.1", "node-b": "10.255.255.2"})
+    with pytest.raises(ValueError) as info:
+        nodes.check_hosts(_layout("node-a:2222,node-b:2222", node_rank=0), bind_all=False)
+    message = str(info.value)
+    assert "`hosts` entry 0 (node-a:2222) names this machine, but the name resolves here to " \
+           "127.0.1.1, a loopback address (Debian's /etc/hosts" in message
+    assert "other machines (node-b:2222)" in message
+    assert "Give this node's network address in `hosts`" in message
+
+
+def test_names_resolving_to_loopback_are_fine_when_every_node_is_this_machine(monkeypatch):
+    _fake_names(monkeypatch, {"node-a": "127.0.1.1", "node-b": "127.0.0.1"})
+    assert nodes.check_hosts(_layout("node-a:2222,node-b:2232", node_rank=0),
+                             bind_all=False) == []
