@@ -250,6 +250,29 @@ def _pipeline(case) -> list[str]:
             f"| speed-up | {_f(case['speedup'], 2)}× |"]
 
 
+def _predict(case) -> list[str]:
+    rows = case["rows"]
+    lines = ["Synthetic MLP (64 → 512 → 512 → 10); best of the timed calls; the whole call "
+             "on the chief (tfdp: reading, scoring and writing TFRecord shards; Keras: "
+             "returning every prediction to every worker).", "",
+             "| path | workers | examples/s | peak RSS per worker (MB) |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['path']} | {r['num_workers']} | {_f(r['examples_per_second'])} | "
+                     f"{_f(r['peak_rss_mb'])} |")
+    lines += ["", f"Scaling at 2 workers: tfdp {_f(case['scaling']['tfdp'], 2)}, Keras "
+                  f"{_f(case['scaling']['keras'], 2)}; two independent processes reach "
+                  f"{_f(case['ceiling'], 2)} of 2× one (this machine's ceiling), tfdp "
+                  f"{_f(case['tfdp_over_ceiling'], 2)} of that."]
+    growth = case.get("memory_growth")
+    if growth:
+        lines += ["", "| peak RSS per worker, 1,000 floats per example | small output | "
+                      "10× output | ratio |", "|---|---|---|---|"]
+        for path, g in growth.items():
+            lines.append(f"| {path} | {_f(g['small_mb'])} MB | {_f(g['large_mb'])} MB | "
+                         f"{_f(g['ratio'], 2)} |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     """The Markdown report of `results`."""
     cases, config = results["cases"], results["config"]
@@ -262,6 +285,7 @@ def markdown(results: dict) -> str:
         ("5. Gradient accumulation on a communication-bound MLP", "accumulation", _accumulation),
         ("6. All-reduce latency and bandwidth", "allreduce", _allreduce),
         ("7. Input pipeline vs naive", "input_pipeline", _pipeline),
+        ("8. Batch inference: tfdp.predict vs Keras predict", "predict", _predict),
     ]
     lines = ["# tfdp benchmark results", "", *_machine(results), "", "## Targets", "",
              *_targets(results)]

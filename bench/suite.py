@@ -10,8 +10,8 @@ case modules' job, writing files `tfdp.bench.report`'s.
 Order: the CNN throughput launches (1 and 2 workers, alternating when
 `rounds > 1`) feed the scaling, overhead and communication cases; PyTorch
 DDP runs right after them on the same network, without and then with its
-communication hooks; then the all-reduce, accumulation and input-pipeline
-cases.
+communication hooks; then the all-reduce, accumulation, input-pipeline and
+batch-inference cases.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from tfdp.bench import link as link_lib
 from tfdp.bench import machine
 from tfdp.bench import overhead
 from tfdp.bench import peer_torch
+from tfdp.bench import predict
 from tfdp.bench import procs
 from tfdp.bench import scaling
 from tfdp.bench import targets
 from tfdp.bench import throughput
 
 CASES = ("scaling", "overhead", "peer_torch", "communication", "accumulation", "allreduce",
-         "input_pipeline")
+         "input_pipeline", "predict")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,9 @@ class SuiteConfig:
         all_reduce_iterations: calls timed per small message.
         link_gbytes_per_second: link bandwidth for the ring bound; None measures it.
         pipeline_flags: `tfdp.bench.input_pipeline.run_benchmark` arguments.
+        predict_examples: examples per timed `predict` call.
+        predict_memory_examples: input sizes of the `predict` memory jobs
+            (1,000 floats per prediction).
         timeout_scale: multiplies every subprocess deadline.
         link: run every multi-worker case over a loopback shaped to this
             rate (`"100mbit"`, `"1gbit"`; `tfdp.bench.link`); None: unshaped.
@@ -85,6 +89,8 @@ class SuiteConfig:
         ("num_examples", 2048), ("image_size", 128), ("global_batch", 128),
         ("epochs", 2), ("repeats", 5),
     )
+    predict_examples: int = 100_000
+    predict_memory_examples: tuple[int, ...] = (20_000, 200_000)
     timeout_scale: float = 1.0
     link: str | None = None
 
@@ -119,6 +125,7 @@ class SuiteConfig:
             all_reduce_sizes=(4, 40_000, 4_000_000),
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),
                             ("epochs", 1), ("repeats", 1)),
+            predict_examples=10_000, predict_memory_examples=(2_000, 20_000),
         )
         values.update(overrides)
         return cls(**values)
@@ -224,6 +231,11 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
     ), log)
     cases["input_pipeline"] = _guarded("input_pipeline", lambda: input_pipeline.run(
         **dict(config.pipeline_flags), timeout=config.timeout(300),
+    ), log)
+    cases["predict"] = _guarded("predict", lambda: predict.run(
+        num_examples=config.predict_examples, repeats=config.repeats,
+        memory_examples=config.predict_memory_examples, threads=config.threads,
+        timeout=config.timeout(600),
     ), log)
     results["cases"] = {name: cases[name] for name in CASES}
     results["breakdown"] = (

@@ -68,6 +68,12 @@ TARGETS = (
            "MLP: tfdp fit with PowerSGD(rank=4) ÷ the plain all-reduce, examples/s, 2 workers "
            "(the issue sets it over a 1 Gbit/s link: run with --link 1gbit)",
            10.0, True, lambda c: c["communication"]["mlp"]["powersgd_over_plain"]),
+    Target("predict_2_workers_vs_independent",
+           "tfdp.predict on 2 workers ÷ 2 independent processes scoring a half each, examples/s",
+           0.9, True, lambda c: c["predict"]["tfdp_over_ceiling"]),
+    Target("predict_peak_memory_growth",
+           "tfdp.predict peak memory per worker, 10× the output ÷ 1× (1,000 floats per example)",
+           1.2, False, lambda c: c["predict"]["memory_growth"]["tfdp"]["ratio"]),
     Target("accumulation_speedup_k8",
            "k=8: all-reduce every micro-batch ÷ accumulate, time per global batch (fastest calls)",
            4.0, True,

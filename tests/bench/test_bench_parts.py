@@ -251,3 +251,38 @@ def test_time_to_accuracy_reads_the_first_epoch_at_the_target():
     assert compared["best_tfdp"] == "topk" and compared["best_ddp"] == "powersgd"
     assert compared["plain_over_best_tfdp"] == 3.0
     assert compared["best_ddp_over_best_tfdp"] == 2.0
+
+
+def test_predict_summary_ratios():
+    from tfdp.bench import predict
+
+    def row(path, workers, rate, rss=500.0, n=1000):
+        return {"path": path, "num_workers": workers, "examples_per_second": rate,
+                "peak_rss_mb": rss, "num_examples": n}
+
+    rows = [row("tfdp", 1, 100), row("keras", 1, 120), row("tfdp", 2, 171),
+            row("keras", 2, 150), row("independent", 2, 180)]
+    memory = [row("tfdp", 2, 1, 600, 20), row("keras", 2, 1, 700, 20),
+              row("tfdp", 2, 1, 630, 200), row("keras", 2, 1, 1500, 200)]
+    summary = predict.summarize(rows, memory)
+    assert summary["scaling"] == {"tfdp": pytest.approx(0.855), "keras": pytest.approx(0.625)}
+    assert summary["ceiling"] == pytest.approx(0.9)
+    assert summary["tfdp_over_ceiling"] == pytest.approx(0.95)
+    assert summary["tfdp_over_keras"]["1"] == pytest.approx(100 / 120)
+    assert summary["memory_growth"]["tfdp"]["ratio"] == pytest.approx(1.05)
+    assert summary["memory_growth"]["keras"]["large_mb"] == 1500
+    verdicts = {row["name"]: row for row in targets.check({"predict": summary})}
+    assert verdicts["predict_2_workers_vs_independent"]["value"] == pytest.approx(0.95)
+    assert verdicts["predict_2_workers_vs_independent"]["met"] is True
+    assert verdicts["predict_peak_memory_growth"]["met"] is True
+
+
+def test_predict_job_scores_in_one_process(tmp_path, monkeypatch):
+    from tfdp.bench import predict
+
+    monkeypatch.setenv("TFDP_BENCH_SHARED_DIR", str(tmp_path))
+    for path in ("tfdp", "keras"):
+        result = predict.measure({"path": path, "num_examples": 300, "outputs": 7,
+                                  "batch_size": 64, "repeats": 1})
+        assert result["num_workers"] == 1 and len(result["seconds"]) == 1
+        assert result["examples_per_second"] > 0 and result["peak_rss_mb"] > 0

@@ -57,9 +57,14 @@ def test_quick_suite_writes_every_case(tmp_path):
     accumulation = results["cases"]["accumulation"]
     assert [len(samples) for samples in accumulation["times"].values()] == [2, 2]
 
+    predict = results["cases"]["predict"]
+    assert {(r["path"], r["num_workers"]) for r in predict["rows"]} == {
+        ("tfdp", 1), ("keras", 1), ("tfdp", 2), ("keras", 2), ("independent", 2)}
+    assert set(predict["memory_growth"]) == {"tfdp", "keras"}
+
     markdown = (out_dir / "results.md").read_text()
     for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",
                     "## 4. Communication", "## 5. Gradient accumulation", "## 6. All-reduce",
-                    "## 7. Input pipeline"):
+                    "## 7. Input pipeline", "## 8. Batch inference"):
         assert heading in markdown
     assert results["machine"]["cpu"] in markdown

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
+import weakref
 from typing import Any, Callable
 
 import keras
@@ -32,6 +34,10 @@ from tfdp.inference.shard_store import ShardStore
 #: Examples per replica per step when `batch_size` is not given (Keras'
 #: `predict` default of 32, per replica).
 DEFAULT_PER_REPLICA_BATCH = 32
+
+#: model -> {id(strategy): ReplicaForward}: a second call on the same model
+#: reuses the traced function, as Keras' `predict` reuses `predict_function`.
+_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 #: Column names tfdp writes itself; a model output may not use them.
 RESERVED_COLUMNS = ("id", "key")
@@ -190,7 +196,7 @@ class _ShardWriting:
         self.shard, self.written = shard, 0
         self.first, self.count = self.layout.bounds(shard)
 
-    def write(self, positions: np.ndarray, columns: dict[str, tf.Tensor]) -> None:
+    def write(self, positions: np.ndarray, columns: dict[str, np.ndarray]) -> None:
         start = 0
         while start < len(positions):
             shard = self.layout.shard_of(int(positions[start]))
@@ -382,17 +388,20 @@ def predict(
             source, layout, mine, per_worker_batch=per_worker_batch, local_replicas=local_replicas,
             key=key, preprocess=preprocess,
         )
-        forward = ReplicaForward(model, strategy)
+        forward = _FORWARDS.setdefault(model, {}).get(id(strategy))
+        if forward is None or forward.strategy is not strategy:
+            forward = _FORWARDS[model][id(strategy)] = ReplicaForward(model, strategy)
         scored = 0
         last_log = time.perf_counter()
         for positions, keys, valid, slices in dataset:
             outputs = _named_outputs(model, forward(slices))
             valid = int(valid)
-            columns = {"id": positions[:valid]}
+            # Sliced in NumPy: an eager slice per column and batch costs more.
+            columns = {"id": positions.numpy()[:valid]}
             if key is not None:
-                columns["key"] = keys[:valid]
-            columns.update({name: value[:valid] for name, value in outputs.items()})
-            writing.write(positions.numpy()[:valid], columns)
+                columns["key"] = keys.numpy()[:valid]
+            columns.update({name: value.numpy()[:valid] for name, value in outputs.items()})
+            writing.write(columns["id"], columns)
             scored += valid
             now = time.perf_counter()
             if chief_talks and now - last_log >= log_every_seconds:
@@ -446,20 +455,45 @@ def _worker_dataset(
     wanted[shards] = True
     wanted = tf.constant(wanted)
     shard_size = tf.constant(layout.shard_size, tf.int64)
-    # Only the raw elements of other shards are read; nothing else is done to them.
-    dataset = source.enumerate().filter(lambda position, _: wanted[position // shard_size])
 
-    def prepare(position, element):
-        if preprocess is not None:
-            element = _call_unpacked(preprocess, element)
+    def split(element):
         features = _features_of(element)
-        example_key = tf.constant(0, tf.int64)
+        example_key = tf.constant(0, tf.int64) if key is None else None
         if key is not None:
             example_key, features = _split_key(features, key)
-        return position, example_key, features
+        return example_key, features
 
-    dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    dataset = dataset.batch(per_worker_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    chunk = math.gcd(layout.shard_size, per_worker_batch)
+    if preprocess is None and chunk == per_worker_batch:
+        # Whole batches of raw examples, each inside one shard: other shards'
+        # batches are dropped as they are read, with no per-example work.
+        chunks = source.batch(chunk).enumerate().filter(
+            lambda index, _: wanted[index * chunk // shard_size]
+        )
+
+        def prepare_batch(index, batch):
+            rows = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+            positions = index * chunk + tf.range(rows)
+            example_key, features = split(batch)
+            if key is None:
+                example_key = tf.zeros_like(positions)
+            return positions, example_key, features
+
+        dataset = chunks.map(prepare_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    else:
+        # Example by example: only the raw elements of other shards are read;
+        # `preprocess` runs on this worker's examples only.
+        examples = source.enumerate().filter(lambda position, _: wanted[position // shard_size])
+
+        def prepare(position, element):
+            if preprocess is not None:
+                element = _call_unpacked(preprocess, element)
+            example_key, features = split(element)
+            return position, example_key, features
+
+        dataset = examples.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        dataset = dataset.batch(per_worker_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                                deterministic=True)
 
     def pad(positions, keys, features):
         valid = tf.shape(positions)[0]

@@ -11,6 +11,8 @@ MultiWorkerMirroredStrategy does: it all-gathers every batch's outputs).
 
 from __future__ import annotations
 
+import weakref
+
 import keras
 import tensorflow as tf
 
@@ -45,7 +47,8 @@ class ReplicaForward:
     """
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
-        self.model = model
+        # Weakly: `tfdp.inference.predict` caches this object per model.
+        self._model = weakref.ref(model)
         self.strategy = strategy
         self.num_replicas = local_replica_count(strategy)
         self._function = tf.function(self._forward, reduce_retracing=True)
@@ -57,7 +60,8 @@ class ReplicaForward:
             # worker w's replicas are w * count + 0 .. count - 1.
             lambda context: slices[context.replica_id_in_sync_group % count]
         )
-        outputs = self.strategy.run(lambda x: self.model(x, training=False), args=(values,))
+        model = self._model()
+        outputs = self.strategy.run(lambda x: model(x, training=False), args=(values,))
         return tf.nest.map_structure(
             lambda value: tf.concat(self.strategy.experimental_local_results(value), axis=0),
             outputs,

@@ -55,21 +55,22 @@ class Column:
         return cls(dtype=str(value["dtype"]), shape=tuple(int(d) for d in value["shape"]))
 
 
-def stored_dtype(dtype: tf.DType) -> str:
-    """The dtype a column of `dtype` is stored in (what every format can hold)."""
+def stored_dtype(dtype: np.dtype) -> str:
+    """The dtype a column of NumPy `dtype` is stored in (what every format can hold)."""
+    if dtype.kind in "OSU":
+        return "bytes"
+    dtype = tf.as_dtype(dtype)
     if dtype.is_floating:
         return "float32" if dtype.size <= 4 else "float64"
     if dtype.is_integer or dtype.is_bool:
         return "int64"
-    if dtype == tf.string:
-        return "bytes"
     raise TypeError(
         f"Predictions of dtype {dtype.name} cannot be written; make the model "
         f"return float, integer, bool or string tensors."
     )
 
 
-def column_of(value: tf.Tensor) -> Column:
+def column_of(value: np.ndarray) -> Column:
     """The `Column` of a batch `value` (rows along axis 0)."""
     return Column(stored_dtype(value.dtype), tuple(int(d) for d in value.shape[1:]))
 
@@ -94,8 +95,8 @@ class ShardWriter(abc.ABC):
         self.columns = dict(columns)
 
     @abc.abstractmethod
-    def write(self, batch: Mapping[str, tf.Tensor]) -> None:
-        """Appends a batch of rows: one tensor per column, rows along axis 0."""
+    def write(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Appends a batch of rows: one array per column, rows along axis 0."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -154,7 +155,7 @@ class TFRecordShardWriter(ShardWriter):
                     f"Column {column!r} is float64, which tf.train.Example stores only as "
                     f"float32; use output_format='npz' or 'parquet' to keep float64."
                 )
-        for record in _encode_examples({k: tf.convert_to_tensor(v) for k, v in batch.items()}).numpy():
+        for record in _encode_examples({k: tf.constant(v) for k, v in batch.items()}).numpy():
             self._writer.write(record)
 
     def close(self):
