@@ -426,6 +426,27 @@ def _wait_for_free_ports(ports: Sequence[int], *, timeout: float,
         time.sleep(0.1)
 
 
+def port_collision(plan: LocalLaunchPlan) -> str | None:
+    """After a failed attempt of `plan` (every worker stopped): a port another process holds.
+
+    Only free ports the launcher picked itself count (not `--port` or
+    `--hosts` ones, which the user chose): one of them still in use once the
+    workers are gone was taken by another process between the launcher's
+    choice and the worker's bind.
+
+    Returns:
+        A description of the first such port, or None.
+    """
+    if plan.fixed_ports:
+        return None
+    for rank, port in enumerate(plan.ports):
+        reason = port_in_use(port)
+        if reason is not None:
+            return (f"port {port} (worker {rank}'s) is held by another process ({reason}); "
+                    "it was taken after the launcher picked it")
+    return None
+
+
 def restart_plan(
     plan: LocalLaunchPlan,
     *,
@@ -483,7 +504,10 @@ def run_plan(
 
     While it runs (when called from the main thread), SIGINT and SIGTERM are
     forwarded to the workers instead of ending this process, and never lead
-    to a restart.
+    to a restart. An attempt that fails while another process holds one of
+    the free ports the launcher picked (`port_collision`) runs again with new
+    ports, up to `tfdp.launch.restarts.MAX_PORT_RETRIES` times, without
+    counting as a restart.
 
     Args:
         plan: from `plan_local` or `plan_nodes`.
@@ -529,6 +553,7 @@ def run_plan(
         warnings=warnings,
         stdout=stdout,
         stderr=stderr,
+        port_collision=port_collision,
     )
 
 

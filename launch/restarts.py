@@ -8,6 +8,12 @@ left, the failing worker's last lines of stdout and of stderr are repeated on
 the launcher's stderr, and the launcher exits with the worker's exit code. A signal to the launcher (SIGINT,
 SIGTERM) stops the workers and never leads to a restart.
 
+Port collisions. The launcher picks free ports, then the workers bind them: in
+between, another process can take one (check-then-use). When an attempt fails
+and the `port_collision` callable finds one of its ports held by another
+process once every worker is stopped, the attempt is run again with new ports,
+up to `MAX_PORT_RETRIES` times; that retry does not count as a restart.
+
 What a restart changes is not decided here: the `replan` callable builds the
 next attempt (`tfdp.launch.local.restart_plan`: fresh environments with
 `TFDP_RESTART_COUNT`, fresh free ports, or the same fixed ports once they are
@@ -44,6 +50,9 @@ from tfdp.launch.worker_group import (
 )
 
 Plan = TypeVar("Plan")
+
+#: Times an attempt is re-run with new ports after a port collision.
+MAX_PORT_RETRIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +100,8 @@ def run_with_restarts(
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
     tail_lines: int = DEFAULT_TAIL_LINES,
+    port_collision: Callable[[Plan], str | None] | None = None,
+    max_port_retries: int = MAX_PORT_RETRIES,
 ) -> int:
     """Runs `plan`'s workers, restarting the whole group after a failure.
 
@@ -109,6 +120,13 @@ def run_with_restarts(
             Defaults to `sys.stderr.buffer`.
         tail_lines: lines of the failing worker's stdout, and of its stderr,
             repeated at the end. Defaults to `DEFAULT_TAIL_LINES` (20).
+        port_collision: `(plan) -> str | None`, called after a failed attempt
+            (every worker stopped): a description when one of its ports is
+            held by another process and the attempt should run again with
+            new ports (`replan` with the same restart count), else None.
+            Defaults to None (no such retry).
+        max_port_retries: port-collision retries over the whole launch.
+            Defaults to `MAX_PORT_RETRIES`.
 
     Returns:
         0 when an attempt ends with every worker exiting 0; the failing
@@ -134,6 +152,7 @@ def run_with_restarts(
         for message in warnings:
             log(message)
         attempt = 0
+        port_retries = 0
         while True:
             outcome = _run_attempt(plan, attempt, describe=describe, signals=signals,
                                    stdout=stdout, stderr=stream, tail_lines=tail_lines)
@@ -147,6 +166,19 @@ def run_with_restarts(
                 return result.exit_code
             failure = result.failure
             what = f"worker {failure.rank} {describe_returncode(failure.returncode)}"
+            collision = None if port_collision is None else port_collision(plan)
+            if collision and port_retries < max_port_retries and signals.first is None:
+                port_retries += 1
+                log(f"{what}; {collision}: running the attempt again with new ports "
+                    f"(port retry {port_retries} of {max_port_retries}, not a restart)")
+                try:
+                    plan = replan(plan, attempt, lambda: signals.count > 0)
+                except (OSError, ValueError) as e:
+                    log(f"cannot pick new ports: {e}")
+                else:
+                    if signals.first is not None:
+                        return stop_for_signal(what)
+                    continue
             if attempt + 1 < total:
                 if signals.first is not None:
                     return stop_for_signal(what)

@@ -282,7 +282,7 @@ def test_signal_is_forwarded_then_escalated_to_sigkill(tmp_path, pid_dir, signum
     assert code == 128 + signum
     assert f"received {signum.name}; forwarding it to 2 running worker(s)" in err
     # Only the worker that ignored the signal needed SIGKILL, after the grace period.
-    assert f"worker 0 (pid" in err and f"still running {grace:g} s after {signum.name}" in err
+    assert "worker 0 (pid" in err and f"still running {grace:g} s after {signum.name}" in err
     assert "worker 1 (pid" not in err
     assert grace <= after_signal < 30
     assert_processes_gone(_worker_pids(pid_dir, 2))
@@ -422,3 +422,63 @@ def test_bind_all_logs_the_unauthenticated_endpoint_warning(tmp_path):
     assert first.startswith("[launch] warning: --bind_all: workers are reached at "
                             "10.255.255.1:2222. TensorFlow's gRPC endpoints have no "
                             "authentication")
+
+
+# -- a free port taken between the launcher's choice and the worker's bind ------
+
+_BIND_OWN_PORT = """
+import json
+config = json.loads(os.environ["TF_CONFIG"])
+port = int(config["cluster"]["worker"][config["task"]["index"]].rsplit(":", 1)[1])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    server.bind(("0.0.0.0", port))  # as TensorFlow's gRPC server does
+except OSError as e:
+    print(f"cannot listen on {port}: {e.strerror}", file=sys.stderr)
+    sys.exit(1)
+print(f"listening on {port}")
+"""
+
+
+def _hold(port):
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", port))
+    holder.listen()
+    return holder
+
+
+def test_a_free_port_taken_by_another_process_is_retried_with_new_ports(tmp_path, pid_dir):
+    script = write_worker_script(tmp_path, PRELUDE + "import socket\n" + _BIND_OWN_PORT)
+    environ = dict(os.environ, PID_DIR=str(pid_dir))
+    plan = local.plan_local([sys.executable, "-u", str(script)], nproc_per_node=2,
+                            grace_period=1.0, environ=environ)
+    taken = plan.ports[1]
+    out, err = io.BytesIO(), io.BytesIO()
+    with _hold(taken):  # another process takes worker 1's port after the launcher chose it
+        code = local.run_plan(plan, stdout=out, stderr=err)
+    err = err.getvalue().decode()
+    assert code == 0, err
+    assert (f"port {taken} (worker 1's) is held by another process (Address already in use); "
+            "it was taken after the launcher picked it: running the attempt again with new "
+            "ports (port retry 1 of 3, not a restart)") in err
+    listening = [line for line in out.getvalue().decode().splitlines() if "listening" in line]
+    assert len(listening) >= 2 and f"listening on {taken}" not in " ".join(listening[-2:])
+
+
+def test_fixed_ports_and_other_failures_are_not_retried(tmp_path, pid_dir):
+    # A fixed --port is the user's choice: its collision fails the run as before.
+    port = free_port_pair()
+    script = write_worker_script(tmp_path, PRELUDE + "import socket\n" + _BIND_OWN_PORT)
+    environ = dict(os.environ, PID_DIR=str(pid_dir))
+    plan = local.plan_local([sys.executable, "-u", str(script)], nproc_per_node=2, port=port,
+                            grace_period=1.0, environ=environ)
+    out, err = io.BytesIO(), io.BytesIO()
+    with _hold(port + 1):
+        code = local.run_plan(plan, stdout=out, stderr=err)
+    assert code == 1
+    assert "port retry" not in err.getvalue().decode()
+    # A worker failing with its ports free is a failure, not a collision.
+    code, _, err, _ = _run(tmp_path, pid_dir, "sys.exit(3)\n")
+    assert code == 3
+    assert "port retry" not in err
