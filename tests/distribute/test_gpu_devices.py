@@ -141,3 +141,20 @@ def test_each_launched_worker_sees_and_logs_its_own_gpus(tmp_path):
     assert result.worker_stdout(0)[1].endswith("; visible GPUs 3,5 (CUDA_VISIBLE_DEVICES)")
     assert ("GPUs per worker (CUDA_VISIBLE_DEVICES; of CUDA_VISIBLE_DEVICES=3,5,6,7): "
             "[0] 3,5 [1] 6,7") in result.launcher_messages()
+
+
+def test_tfdp_train_gpu_memory_growth_reaches_the_strategy(monkeypatch):
+    from tfdp.app import experiment, run_config, train
+
+    assert train.FLAGS["gpu_memory_growth"].default is False
+    seen = {}
+
+    def plan_from_environment(kind, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped before any strategy is built")
+
+    monkeypatch.setattr(experiment.strategy_lib, "plan_from_environment", plan_from_environment)
+    with pytest.raises(run_config.ConfigError, match="stopped before"):
+        experiment.train_and_evaluate(run_config.RunConfig(gpu_memory_growth=True),
+                                      build_dataset=None, build_model=None)
+    assert seen["memory_growth"] is True
