@@ -158,3 +158,16 @@ def test_tfdp_train_gpu_memory_growth_reaches_the_strategy(monkeypatch):
         experiment.train_and_evaluate(run_config.RunConfig(gpu_memory_growth=True),
                                       build_dataset=None, build_model=None)
     assert seen["memory_growth"] is True
+
+
+def test_gpus_named_but_not_seen_by_tensorflow_are_warned_about(monkeypatch):
+    # CPU-only TensorFlow (this machine) with GPUs assigned by the launcher.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    (warning,) = strategy_lib.plan_from_environment().warnings
+    assert warning.startswith("CUDA_VISIBLE_DEVICES names 2 GPU(s) (3,5) but TensorFlow sees "
+                              "0, so this process trains on the CPU.")
+    _fake_gpus(monkeypatch, 2)
+    assert strategy_lib.plan_from_environment().warnings == ()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: nothing to say
+    _fake_gpus(monkeypatch, 0)
+    assert strategy_lib.plan_from_environment().warnings == ()

@@ -22,6 +22,7 @@ from tfdp.distribute import cluster as cluster_lib
 from tfdp.distribute import devices
 from tfdp.distribute import slurm_env
 from tfdp.distribute import startup
+from tfdp.distribute import visible_gpus
 from tfdp.distribute.strategy_info import strategy_info
 
 KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
@@ -392,12 +393,24 @@ def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
             positive number of seconds.
     """
     kwargs["startup_timeout"] = startup.resolve_startup_timeout(kwargs.get("startup_timeout"))
-    return plan_strategy(
+    num_gpus = len(tf.config.list_physical_devices("GPU"))
+    plan = plan_strategy(
         kind,
-        num_gpus=len(tf.config.list_physical_devices("GPU")),
+        num_gpus=num_gpus,
         num_workers=_num_workers(os.environ),
         **kwargs,
     )
+    assigned = visible_gpus.visible_gpus()
+    if assigned and num_gpus < len(assigned):
+        # E.g. a CPU-only TensorFlow build, or a UUID that names no GPU: the worker
+        # would otherwise train on fewer devices (or the CPU) without a word.
+        plan = dataclasses.replace(plan, warnings=plan.warnings + (
+            f"CUDA_VISIBLE_DEVICES names {len(assigned)} GPU(s) ({','.join(assigned)}) but "
+            f"TensorFlow sees {num_gpus}, so this process trains on "
+            f"{'the CPU' if num_gpus == 0 else f'{num_gpus} GPU(s)'}. Check that this "
+            "TensorFlow is built with CUDA (`pip install tensorflow[and-cuda]`), that the "
+            "driver works (`nvidia-smi`), and that every entry names a GPU of this host.",))
+    return plan
 
 
 def make_strategy(
