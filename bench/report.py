@@ -252,7 +252,7 @@ def _pipeline(case) -> list[str]:
 
 def _predict(case) -> list[str]:
     rows = case["rows"]
-    lines = ["Synthetic MLP (64 → 512 → 512 → 10); best of the timed calls; the whole call "
+    lines = ["Synthetic MLP (64 → 1024 → 1024 → 10); best of the timed calls; the whole call "
              "on the chief (tfdp: reading, scoring and writing TFRecord shards; Keras: "
              "returning every prediction to every worker).", "",
              "| path | workers | examples/s | peak RSS per worker (MB) |", "|---|---|---|---|"]

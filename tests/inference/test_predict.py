@@ -248,3 +248,21 @@ def test_the_index_is_written_last_and_lists_every_shard(tmp_path, digits, one_d
                                 "predictions": {"dtype": "float32", "shape": [10]}}
     index_time = os.stat(tmp_path / "index.json").st_mtime_ns
     assert all(os.stat(tmp_path / s["file"]).st_mtime_ns <= index_time for s in index["shards"])
+
+
+def test_an_input_of_unknown_size_is_counted_once_whatever_its_shapes(tmp_path):
+    # Rows of different lengths (padded by preprocess), behind a filter: the
+    # size is unknown, and the raw examples cannot be batched densely.
+    raw = tf.data.Dataset.range(1000).map(lambda i: tf.range(i % 5, dtype=tf.float32))
+    raw = raw.filter(lambda row: tf.size(row) != 3)
+    assert int(raw.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+
+    def pad(row):
+        return tf.ensure_shape(tf.pad(row, [[0, 4 - tf.size(row)]]), [4])
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    summary = tfdp.predict(model, raw, output_dir=str(tmp_path), preprocess=pad, verbose=0)
+    assert summary.num_examples == 800
+    result = tfdp.read_predictions(str(tmp_path), as_numpy=True)
+    expected = model.predict(np.stack(list(raw.map(pad).as_numpy_iterator())), verbose=0)
+    np.testing.assert_allclose(result["predictions"], expected, atol=1e-6)
