@@ -3,7 +3,8 @@
 `make_dataset` gives every replica its own slice of each global batch, each
 example once per epoch, and every worker the same number of steps, for
 `model.fit` and custom loops alike. Sources: TFDS datasets by name, the
-offline `digits` dataset, synthetic data, or your own `tf.data.Dataset`.
+offline `digits` dataset, synthetic data, your own TFRecord files
+(`TFRecordSource`), or your own `tf.data.Dataset`.
 
 Installed as `tfdp.pipelines` (`from tfdp import pipelines`). It uses the
 library (`tfdp.BatchConfig`); the library never imports it.
@@ -35,6 +36,7 @@ from tfdp.pipelines.source_registry import register_source  # noqa: E402
 from tfdp.pipelines.synthetic import SyntheticImages  # noqa: E402
 from tfdp.pipelines.synthetic import SyntheticTokens  # noqa: E402
 from tfdp.pipelines.tfds_source import prepare_tfds  # noqa: E402
+from tfdp.pipelines.tfrecord_source import TFRecordSource  # noqa: E402
 
 __all__ = [
     "check_model_compatible",
@@ -59,4 +61,5 @@ __all__ = [
     "SourceInfo",
     "SyntheticImages",
     "SyntheticTokens",
+    "TFRecordSource",
 ]
