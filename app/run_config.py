@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfdp.app import user_data
 from tfdp.distribute import reduction
 from tfdp.distribute import strategy as strategy_lib
 from tfdp.training import lr_schedules
@@ -39,7 +40,10 @@ class RunConfig:
         name (`pipelines`). data_dir: TFDS data directory (None: default).
         epochs: epochs to train. steps_per_epoch: optimizer steps per epoch
         (None: the whole training split). eval: evaluate on the test split
-        at the end. seed: seeds initialisation, shuffling and augmentation.
+        at the end. seed: seeds initialisation and shuffling.
+        With dataset "tfrecord" (`tfdp.app.user_data`): train_files and
+        eval_files (globs of tf.train.Example files), image_key, label_key,
+        image_size, image_channels, num_classes, train_examples.
 
     Where: strategy, cpu_replicas, cross_device_ops, communication,
         bytes_per_pack: see `tfdp.make_strategy`; collective_timeout: its
@@ -79,6 +83,14 @@ class RunConfig:
     steps_per_epoch: int | None = None
     eval: bool = True
     seed: int = 0
+    train_files: str | None = None
+    eval_files: str | None = None
+    image_key: str = "image/encoded"
+    label_key: str = "image/class/label"
+    image_size: int | None = None
+    image_channels: int = 3
+    num_classes: int | None = None
+    train_examples: int | None = None
 
     strategy: str = "auto"
     cpu_replicas: int | None = None
@@ -145,6 +157,15 @@ class RunConfig:
             raise ConfigError("--topk_fraction must be in (0, 1] (the share of gradient values "
                               f"each replica sends). Received: --topk_fraction={self.topk_fraction!r}")
         self._validate_local_steps()
+        _positive("train_examples", self.train_examples, allow_none=True)
+        try:
+            user_data.check_train_flags(
+                self.dataset, {name: getattr(self, name) for name in user_data.TRAIN_FLAGS},
+                evaluate=self.eval)
+            if self.dataset == user_data.TFRECORD:
+                user_data.train_options(self, count_cache_dir=None)  # checks the values
+        except user_data.UserDataError as error:
+            raise ConfigError(str(error)) from None
         if self.gradient_compression == "bfloat16" and self.all_reduce_dtype not in (None, "bfloat16"):
             raise ConfigError("--gradient_compression=bfloat16 and --all_reduce_dtype="
                               f"{self.all_reduce_dtype} disagree; pass only --gradient_compression.")

@@ -25,6 +25,7 @@ from absl import flags  # noqa: E402
 
 from tfdp.distribute import reduction  # noqa: E402
 from tfdp.app import run_config  # noqa: E402
+from tfdp.app import user_data  # noqa: E402
 from tfdp.app.process_logging import configure_logging  # noqa: E402
 from tfdp.app.process_logging import process_is_chief  # noqa: E402
 from tfdp.distribute import config_check  # noqa: E402
@@ -45,7 +46,23 @@ flags.DEFINE_integer("epochs", _D.epochs, "Epochs to train.")
 flags.DEFINE_integer("steps_per_epoch", None, "Optimizer steps per epoch (default: the whole "
                      "training split).")
 flags.DEFINE_bool("eval", _D.eval, "Evaluate on the test split at the end.")
-flags.DEFINE_integer("seed", _D.seed, "Seed for initialisation, shuffling and augmentation.")
+flags.DEFINE_integer("seed", _D.seed, "Seed for initialisation and shuffling.")
+# Your own data: --dataset=tfrecord.
+flags.DEFINE_string("train_files", None, "With --dataset=tfrecord: glob(s), comma-separated, of "
+                    "TFRecord files of tf.train.Example records (local or any filesystem "
+                    "TensorFlow reads), sharded across workers by file.")
+flags.DEFINE_string("eval_files", None, "With --dataset=tfrecord: the files --eval evaluates on.")
+flags.DEFINE_string("image_key", _D.image_key, "With --dataset=tfrecord: the feature holding "
+                    "the JPEG or PNG bytes.")
+flags.DEFINE_string("label_key", _D.label_key, "With --dataset=tfrecord: the int64 class feature.")
+flags.DEFINE_integer("image_size", None, "With --dataset=tfrecord: resize images to this square "
+                     "size (default: the first record's size, which every image must have).")
+flags.DEFINE_integer("image_channels", _D.image_channels, "With --dataset=tfrecord: decode "
+                     "images to this many channels (1, 3 or 4).")
+flags.DEFINE_integer("num_classes", None, "With --dataset=tfrecord: label classes (default: the "
+                     "largest label + 1, read in the counting pass).")
+flags.DEFINE_integer("train_examples", None, "With --dataset=tfrecord: examples in --train_files "
+                     "(default: counted once and cached in --model_dir, or beside the files).")
 # Where.
 flags.DEFINE_enum("strategy", _D.strategy, strategy_lib.KINDS, "Distribution strategy.")
 flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas (one "
@@ -127,22 +144,30 @@ def config_from_flags() -> run_config.RunConfig:
     return run_config.RunConfig(**fields)
 
 
+def dataset_source(config: run_config.RunConfig):
+    """What `pipelines` reads for `--dataset`: its name, or the user's TFRecord files."""
+    if config.dataset != user_data.TFRECORD:
+        return config.dataset
+    return user_data.train_options(config, count_cache_dir=config.model_dir).source()
+
+
 def _build_dataset(config: run_config.RunConfig):
     from tfdp import pipelines
 
     from tfdp.app.experiment import DatasetSpec
 
+    source = dataset_source(config)  # one object: its counts are read once
+
     def build(split, *, training, strategy, batch, seed):
         # Dataset-specific preprocessing lives in pipelines: images are scaled
         # to [0, 1]; other sources pass through.
-        source_info = pipelines.describe_source(config.dataset, split=split,
-                                                data_dir=config.data_dir)
+        source_info = pipelines.describe_source(source, split=split, data_dir=config.data_dir)
         preprocess = None
         features = source_info.features
         if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
             preprocess = pipelines.for_images(training=training)
         dataset = pipelines.make_dataset(
-            config.dataset, split=split, strategy=strategy, batch=batch,
+            source, split=split, strategy=strategy, batch=batch,
             training=training, seed=seed,
             data_dir=config.data_dir, preprocess=preprocess,
         )
@@ -171,6 +196,15 @@ def _check_names(config: run_config.RunConfig) -> None:
             f"--model must be one of {', '.join(models.names())}. "
             f"Received: --model={config.model!r}"
         )
+    if config.dataset == user_data.TFRECORD:
+        source = user_data.train_options(config, count_cache_dir=None).source()
+        for split, flag in (("train", "--train_files"), ("test", "--eval_files")):
+            if split == "train" or config.eval:
+                try:  # globs only: no record is read, no tensor made
+                    source.check_split(split)
+                except ValueError as error:
+                    raise run_config.ConfigError(f"{flag}: {error}") from None
+        return
     try:
         pipelines.check_source_name(config.dataset)
     except ValueError as error:

@@ -8,7 +8,8 @@ from metadata alone (no data is read, nothing is communicated):
      `ReadConfig(input_context=...)`): pipeline `i` reads files `i, i+n, ...`.
    - `"data"`: every pipeline reads the split in the same order and keeps
      every n-th example (`Dataset.shard(n, i)`).
-   - `"context"`: a callable source shards itself by the input context.
+   - `"context"`: the source shards itself by the input context (a callable
+     source, or `TFRecordSource` by record when its count is given).
    - `"off"`: every pipeline reads everything (deliberate duplication).
    - `"none"`: there is one pipeline; nothing to divide.
    `shard_policy="auto"` picks `"file"` when the split has at least as many
@@ -193,7 +194,7 @@ def plan_sharding(
             return ShardPlan(
                 "context",
                 tuple(context_sizes),
-                "the callable source shards itself by its input context",
+                "the source shards itself by its input context",
             )
         file_steps = steps_per_epoch(
             context_sizes, examples_per_step=examples_per_step, drop_remainder=drop_remainder

@@ -65,7 +65,8 @@ class TFRecordSource(source_lib.Source):
         image_key: feature holding the encoded image. Defaults to
             `"image/encoded"`.
         label_key: int64 feature holding the class. Defaults to
-            `"image/class/label"`.
+            `"image/class/label"`; `None` for unlabelled records (scoring
+            with `tfdp.predict`): every label reads -1.
         image_size: `(height, width)` every image is resized to; `None`
             (default) takes the first record's size and requires every image
             to have it.
@@ -88,7 +89,7 @@ class TFRecordSource(source_lib.Source):
         files: Mapping[str, str | Sequence[str]],
         parse: Callable | None = None,
         image_key: str = DEFAULT_IMAGE_KEY,
-        label_key: str = DEFAULT_LABEL_KEY,
+        label_key: str | None = DEFAULT_LABEL_KEY,
         image_size: tuple[int, int] | None = None,
         channels: int = 3,
         num_classes: int | None = None,
@@ -143,10 +144,10 @@ class TFRecordSource(source_lib.Source):
 
     def _decode(self, serialized, size):
         height, width = size
-        parsed = tf.io.parse_single_example(serialized, {
-            self.image_key: tf.io.FixedLenFeature([], tf.string),
-            self.label_key: tf.io.FixedLenFeature([], tf.int64),
-        })
+        spec = {self.image_key: tf.io.FixedLenFeature([], tf.string)}
+        if self.label_key is not None:
+            spec[self.label_key] = tf.io.FixedLenFeature([], tf.int64)
+        parsed = tf.io.parse_single_example(serialized, spec)
         image = tf.io.decode_image(parsed[self.image_key], channels=self.channels,
                                    expand_animations=False)
         if self._resize:
@@ -154,7 +155,8 @@ class TFRecordSource(source_lib.Source):
                 tf.image.resize(image, (height, width))), 0, 255), tf.uint8)
         else:
             image = tf.ensure_shape(image, (height, width, self.channels))
-        return image, parsed[self.label_key]
+        label = parsed[self.label_key] if self.label_key is not None else tf.constant(-1, tf.int64)
+        return image, label
 
     def _size(self) -> tuple[int, int]:
         """The images' (height, width): given, or the first record's (read eagerly)."""
@@ -237,7 +239,7 @@ class TFRecordSource(source_lib.Source):
             count = 0
             for batch in batches:
                 count += int(tf.shape(batch)[0])
-                if self._parse is None:
+                if self._parse is None and self.label_key is not None:
                     labels = tf.io.parse_example(
                         batch, {self.label_key: tf.io.FixedLenFeature([], tf.int64)}
                     )[self.label_key]

@@ -30,6 +30,13 @@ def parse_flags():
         (["--checkpoint_every=5"], "--checkpoint_every needs --model_dir"),
         (["--warmup_epochs=1", "--warmup_steps=3"], "at most one of --warmup_epochs"),
         (["--collective_timeout=0"], "--collective_timeout must be a positive number"),
+        (["--train_files=x.tfrecord"], "--train_files only apply to --dataset=tfrecord"),
+        (["--dataset=tfrecord"], "--dataset=tfrecord needs --train_files"),
+        (["--dataset=tfrecord", "--train_files=x"], "with --eval needs --eval_files"),
+        (["--dataset=tfrecord", "--train_files=/nonexistent/train-*", "--noeval"],
+         "--train_files: train files: '/nonexistent/train-*' matches no file"),
+        (["--dataset=tfrecord", "--train_files=x", "--noeval", "--image_channels=2"],
+         "--image_channels must be 1, 3 or 4"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):

@@ -132,3 +132,11 @@ def test_resizing_gives_every_image_the_asked_size(digits_files):
     source = _source(directory, image_size=(32, 32))
     image, _ = next(iter(source.read("train")))
     assert image.shape == (32, 32, 1) and image.dtype == tf.uint8
+
+
+def test_unlabelled_records_read_label_minus_one(digits_files):
+    directory, images, _ = digits_files
+    source = _source(directory, label_key=None)
+    assert source.num_classes() is None and source.num_examples("train") == 500
+    image, label = next(iter(source.read("train")))
+    assert int(label) == -1 and image.shape == (8, 8, 1)
