@@ -1,6 +1,7 @@
 """`tfdp-predict`: score a registered dataset with a `tfdp-train` run's model, data-parallel.
 
     tfdp-predict --model_dir runs/digits --dataset=digits --split=test --output_dir preds/
+    tfdp-predict --model_dir runs/mine --dataset=tfrecord --files='new/*.tfrecord' --output_dir preds/
     tfdp-launch --nproc_per_node 2 -- tfdp-predict --model_dir runs/digits --output_dir preds/
 
 The model is rebuilt from the run's `summary.json` (model name, the dataset it
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from typing import Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -29,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+from tfdp.app import user_data  # noqa: E402
 from tfdp.app.process_logging import configure_logging  # noqa: E402
 from tfdp.app.process_logging import process_is_chief  # noqa: E402
 from tfdp.distribute import peer_failures  # noqa: E402
@@ -40,6 +43,14 @@ flags.DEFINE_string("model_dir", None, "A finished tfdp-train run: its summary.j
 flags.DEFINE_string("dataset", None, "Registered dataset to score (default: the one the run "
                     "was trained on).")
 flags.DEFINE_string("split", "test", "Split of --dataset to score.")
+flags.DEFINE_string("files", None, "With --dataset=tfrecord: glob(s), comma-separated, of the "
+                    "TFRecord files of tf.train.Example records to score, in order.")
+flags.DEFINE_string("image_key", None, "With --dataset=tfrecord: the feature holding the JPEG "
+                    "or PNG bytes (default: the run's, else image/encoded).")
+flags.DEFINE_integer("image_size", None, "With --dataset=tfrecord: resize images to this square "
+                     "size (default: the run's).")
+flags.DEFINE_integer("image_channels", None, "With --dataset=tfrecord: channels to decode to "
+                     "(default: the run's, else 3).")
 flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDP_DATA_DIR or "
                     "~/tensorflow_datasets).")
 flags.DEFINE_string("output_dir", None, "Where the prediction shards and index.json go.")
@@ -100,7 +111,18 @@ def restore_model(model_dir: str, run_config: dict, strategy, *, data_dir):
     from tfdp import models
     from tfdp import pipelines
 
-    trained_on = pipelines.describe_source(run_config["dataset"], split="train", data_dir=data_dir)
+    if run_config["dataset"] == user_data.TFRECORD:
+        # The run's own files and decoding; its record count is cached in model_dir.
+        options = user_data.train_options(types.SimpleNamespace(**run_config),
+                                          count_cache_dir=model_dir)
+        try:
+            trained_on = options.source().describe("train")
+        except ValueError as error:
+            raise UsageError(f"The run's --train_files cannot be read to rebuild its model: "
+                             f"{error}") from None
+    else:
+        trained_on = pipelines.describe_source(run_config["dataset"], split="train",
+                                               data_dir=data_dir)
     if run_config.get("mixed_precision", "none") != "none":
         keras.config.set_dtype_policy(run_config["mixed_precision"])
     with strategy.scope():
@@ -118,13 +140,40 @@ def restore_model(model_dir: str, run_config: dict, strategy, *, data_dir):
     return model, checkpoint_path
 
 
-def _dataset(name: str, split: str, data_dir):
+def _tfrecord_options(run_config: dict):
+    """`--dataset=tfrecord --files=...`, decoded as the run decoded its training files."""
+    if not FLAGS.files:
+        raise UsageError("--dataset=tfrecord needs --files (a glob of TFRecord files of "
+                         "tf.train.Example records to score).")
+    trained_on_files = run_config.get("dataset") == user_data.TFRECORD
+
+    def run_default(name, default):
+        value = getattr(FLAGS, name)
+        if value is not None:
+            return value
+        return run_config.get(name, default) if trained_on_files else default
+
+    try:
+        return user_data.TFRecordOptions(
+            files={"predict": FLAGS.files}, label_key=None,
+            image_key=run_default("image_key", "image/encoded"),
+            image_size=run_default("image_size", None),
+            image_channels=run_default("image_channels", 3),
+        )
+    except user_data.UserDataError as error:
+        raise UsageError(str(error)) from None
+
+
+def _dataset(name: str, split: str, data_dir, run_config: dict):
     """The split's raw examples and the preprocessing tfdp-train applies to them."""
     from tfdp import pipelines
 
     try:
-        pipelines.check_source_name(name)
-        source = pipelines.get_source(name, split=split, data_dir=data_dir)
+        if name == user_data.TFRECORD:
+            source, split = _tfrecord_options(run_config).source(), "predict"
+        else:
+            pipelines.check_source_name(name)
+            source = pipelines.get_source(name, split=split, data_dir=data_dir)
         source.check_split(split)
     except ValueError as error:
         raise UsageError(f"--dataset/--split: {error}") from None
@@ -157,7 +206,7 @@ def run_predict() -> dict:
     strategy = strategy_lib.make_strategy(FLAGS.strategy, cpu_replicas=FLAGS.cpu_replicas)
     dataset_name = FLAGS.dataset or run_config["dataset"]
     data_dir = FLAGS.data_dir if FLAGS.data_dir is not None else run_config.get("data_dir")
-    dataset, preprocess = _dataset(dataset_name, FLAGS.split, data_dir)
+    dataset, preprocess = _dataset(dataset_name, FLAGS.split, data_dir, run_config)
     model, checkpoint = restore_model(FLAGS.model_dir, run_config, strategy, data_dir=data_dir)
     try:
         result = tfdp.predict(

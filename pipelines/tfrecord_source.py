@@ -194,10 +194,13 @@ class TFRecordSource(source_lib.Source):
         names = tf.data.Dataset.from_tensor_slices(files)
         if shuffle_files and not by_record:
             names = names.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
-        # Deterministic interleave: one order per epoch, the same in every
-        # process when files are not shuffled (element sharding needs that).
+        # The whole split (no context, no shuffling) is read file after file
+        # in sorted order: positions are what a user counts (tfdp.predict's
+        # ids), and every process reads the same order (element sharding).
+        # A pipeline's own files are read 4 at a time, deterministically.
+        parallel = 1 if input_context is None and not shuffle_files else min(4, len(files))
         records = names.interleave(
-            tf.data.TFRecordDataset, cycle_length=min(4, len(files)), block_length=16,
+            tf.data.TFRecordDataset, cycle_length=parallel, block_length=16,
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True,
         )
         if by_record:

@@ -11,12 +11,15 @@ own), as the log says.
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from sklearn.datasets import load_digits
 
+import tfdp
+from multiworker import REPO_ROOT
 from multiworker import run_launch
 
 TARGET_ACCURACY = 0.95
@@ -38,7 +41,8 @@ def _write(directory, images, labels, num_files):
 
 @pytest.fixture(scope="module")
 def digits_files(tmp_path_factory):
-    """{"train": dir of 6 files, "test": dir of 2 files, "one": dir of 1 train file}."""
+    """Globs {"train": 6 files, "test": 2 files, "one": 1 train file} and the
+    test labels in file order."""
     root = tmp_path_factory.mktemp("digits_records")
     digits = load_digits()
     images = (digits.images * 255 / 16).round().astype(np.uint8)[..., None]
@@ -48,7 +52,8 @@ def digits_files(tmp_path_factory):
     _write(root / "train", images[train], labels[train], 6)
     _write(root / "test", images[test], labels[test], 2)
     _write(root / "one", images[train], labels[train], 1)
-    return {name: str(root / name / "*.tfrecord") for name in ("train", "test", "one")}
+    files = {name: str(root / name / "*.tfrecord") for name in ("train", "test", "one")}
+    return {**files, "test_labels": labels[test]}
 
 
 def _train(tmp_path, *flags):
@@ -68,8 +73,21 @@ def test_own_tfrecord_files_train_to_target_accuracy_sharded_by_file(tmp_path, d
     log = "\n".join(result.worker_stderr(0) + result.worker_stdout(0))
     assert "tfrecord/train: 1437 examples" in log
     assert "shard file (6 files over 2 input pipelines)" in log
-    # Counted once, cached in model_dir: a second run reads the cache.
+    # Counted once per split, cached in model_dir.
     assert len(list((tmp_path / "run").glob("tfrecord-counts-*.json"))) == 2
+
+    # The trained model scores the test files with tfdp-predict: in file order,
+    # as accurate as the run's own evaluation said.
+    preds = tmp_path / "preds"
+    done = subprocess.run(
+        [shutil.which("tfdp-predict"), f"--model_dir={tmp_path / 'run'}", "--dataset=tfrecord",
+         f"--files={digits_files['test']}", f"--output_dir={preds}", "--cpu_replicas=2"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = tfdp.read_predictions(str(preds), as_numpy=True)
+    accuracy = np.mean(result["predictions"].argmax(axis=1) == digits_files["test_labels"])
+    assert accuracy == pytest.approx(summary["eval"]["accuracy"], abs=1e-6)
 
 
 @pytest.mark.slow
