@@ -39,7 +39,8 @@ _D = run_config.RunConfig()  # defaults, one source of truth
 # What to train.
 flags.DEFINE_string("model", _D.model, "Registered model name (see models.names()).")
 flags.DEFINE_string("dataset", _D.dataset, "Registered dataset: digits (offline), a TFDS "
-                    "name such as mnist or cifar10, or synthetic sources.")
+                    "name such as mnist or cifar10, or synthetic sources; tfrecord (your files, "
+                    "--train_files); or python:package.module:function (your tf.data code).")
 flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDP_DATA_DIR or "
                     "~/tensorflow_datasets).")
 flags.DEFINE_integer("epochs", _D.epochs, "Epochs to train.")
@@ -59,8 +60,9 @@ flags.DEFINE_integer("image_size", None, "With --dataset=tfrecord: resize images
                      "size (default: the first record's size, which every image must have).")
 flags.DEFINE_integer("image_channels", _D.image_channels, "With --dataset=tfrecord: decode "
                      "images to this many channels (1, 3 or 4).")
-flags.DEFINE_integer("num_classes", None, "With --dataset=tfrecord: label classes (default: the "
-                     "largest label + 1, read in the counting pass).")
+flags.DEFINE_integer("num_classes", None, "With --dataset=tfrecord or python:...: label classes "
+                     "(default: what the source says; for tfrecord the largest label + 1, read "
+                     "in the counting pass).")
 flags.DEFINE_integer("train_examples", None, "With --dataset=tfrecord: examples in --train_files "
                      "(default: counted once and cached in --model_dir, or beside the files).")
 # Where.
@@ -145,7 +147,22 @@ def config_from_flags() -> run_config.RunConfig:
 
 
 def dataset_source(config: run_config.RunConfig):
-    """What `pipelines` reads for `--dataset`: its name, or the user's TFRecord files."""
+    """What `pipelines` reads for `--dataset`: a registered name, the user's
+    TFRecord files, or what the user's `python:` function gives."""
+    from tfdp.pipelines import source as source_lib
+
+    if config.dataset.startswith(user_data.PYTHON_PREFIX):
+        try:
+            source = user_data.python_source(config.dataset)
+        except user_data.UserDataError as error:
+            raise run_config.ConfigError(str(error)) from None
+        if config.eval and isinstance(source, (source_lib.DatasetSource,
+                                               source_lib.CallableSource)):
+            raise run_config.ConfigError(
+                f"--dataset={config.dataset} gives one split (a dataset, or a function of the "
+                f"input context), so --eval has nothing to evaluate on. Pass --noeval, or "
+                f"return a pipelines.Source with a 'test' split.")
+        return source
     if config.dataset != user_data.TFRECORD:
         return config.dataset
     return user_data.train_options(config, count_cache_dir=config.model_dir).source()
@@ -156,25 +173,37 @@ def _build_dataset(config: run_config.RunConfig):
 
     from tfdp.app.experiment import DatasetSpec
 
-    source = dataset_source(config)  # one object: its counts are read once
+    made = []
+
+    def source():
+        # Made on first use, once the strategy exists, then kept: its counts
+        # are read once.
+        if not made:
+            made.append(dataset_source(config))
+        return made[0]
 
     def build(split, *, training, strategy, batch, seed):
         # Dataset-specific preprocessing lives in pipelines: images are scaled
         # to [0, 1]; other sources pass through.
-        source_info = pipelines.describe_source(source, split=split, data_dir=config.data_dir)
+        source_info = pipelines.describe_source(source(), split=split, data_dir=config.data_dir)
         preprocess = None
         features = source_info.features
         if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
             preprocess = pipelines.for_images(training=training)
         dataset = pipelines.make_dataset(
-            source, split=split, strategy=strategy, batch=batch,
+            source(), split=split, strategy=strategy, batch=batch,
             training=training, seed=seed,
             data_dir=config.data_dir, preprocess=preprocess,
         )
         info = dataset.pipeline_info
         feature_spec = info.element_spec[0]
+        num_classes = config.num_classes or info.num_classes
+        if num_classes is None:
+            raise run_config.ConfigError(
+                f"--dataset={config.dataset} does not say how many classes its labels have; "
+                f"pass --num_classes.")
         return dataset, DatasetSpec(
-            input_shape=tuple(feature_spec.shape), num_classes=info.num_classes,
+            input_shape=tuple(feature_spec.shape), num_classes=num_classes,
             steps_per_epoch=info.steps_per_epoch, num_examples=info.num_examples,
         )
 
@@ -196,6 +225,12 @@ def _check_names(config: run_config.RunConfig) -> None:
             f"--model must be one of {', '.join(models.names())}. "
             f"Received: --model={config.model!r}"
         )
+    if config.dataset.startswith(user_data.PYTHON_PREFIX):
+        try:  # imported now; called once the strategy exists
+            user_data.python_function(config.dataset)
+        except user_data.UserDataError as error:
+            raise run_config.ConfigError(str(error)) from None
+        return
     if config.dataset == user_data.TFRECORD:
         source = user_data.train_options(config, count_cache_dir=None).source()
         for split, flag in (("train", "--train_files"), ("test", "--eval_files")):

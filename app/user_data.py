@@ -10,9 +10,13 @@ names.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 #: The --dataset value that reads the user's TFRecord files.
 TFRECORD = "tfrecord"
+#: The --dataset prefix of the user's own tf.data code: python:package.module:function.
+PYTHON_PREFIX = "python:"
 
 
 class UserDataError(ValueError):
@@ -89,8 +93,9 @@ def check_train_flags(dataset: str, values: dict, *, evaluate: bool) -> None:
     defaults = {"image_key": "image/encoded", "label_key": "image/class/label",
                 "image_channels": 3}
     if dataset != TFRECORD:
+        allowed = ("num_classes",) if dataset.startswith(PYTHON_PREFIX) else ()
         stray = [f"--{name}" for name in TRAIN_FLAGS
-                 if values.get(name) not in (None, defaults.get(name))]
+                 if name not in allowed and values.get(name) not in (None, defaults.get(name))]
         if stray:
             raise UserDataError(f"{', '.join(stray)} only apply to --dataset=tfrecord. "
                                 f"Received: --dataset={dataset}")
@@ -117,3 +122,72 @@ def train_options(config, *, count_cache_dir: str | None) -> TFRecordOptions:
         num_classes=config.num_classes, num_examples={"train": config.train_examples},
         count_cache_dir=count_cache_dir,
     )
+
+
+def python_function(dataset: str):
+    """The function `--dataset=python:package.module:function` names, imported.
+
+    Importing runs the module's top level only; the function is called later,
+    once the strategy exists (a dataset made before MultiWorkerMirroredStrategy
+    starts would start TensorFlow's runtime too early).
+
+    Raises:
+        UserDataError: malformed value, module not importable, no such callable.
+    """
+    import importlib
+
+    spec = dataset[len(PYTHON_PREFIX):]
+    module_name, _, function_name = spec.rpartition(":")
+    if not module_name or not function_name:
+        raise UserDataError(
+            f"--dataset={dataset!r}: write python:package.module:function, e.g. "
+            f"--dataset=python:my_data:train_source (the module must be importable: on "
+            f"PYTHONPATH, or in the working directory)."
+        )
+    # As `python -m` does: modules in the working directory import (a console
+    # script's sys.path does not have it).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UserDataError(f"--dataset={dataset!r}: cannot import {module_name!r} ({error}). "
+                            f"Put it on PYTHONPATH or run from its directory.") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UserDataError(f"--dataset={dataset!r}: {module_name} has no function "
+                            f"{function_name!r}.")
+    return function
+
+
+def python_source(dataset: str):
+    """The `pipelines` source `--dataset=python:...` gives.
+
+    The function either takes no argument and returns a `pipelines.Source`
+    (every split it has: `"train"`, and `"test"` for `--eval`) or a
+    `tf.data.Dataset` of `(features, label)` examples (one split, "train"),
+    or takes an `input_context` and returns that input pipeline's dataset,
+    as `strategy.distribute_datasets_from_function`'s `dataset_fn` does.
+    """
+    import inspect
+
+    from tfdp import pipelines
+
+    function = python_function(dataset)
+    try:
+        takes_context = bool(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        takes_context = False
+    if takes_context:
+        return pipelines.get_source(function)
+    result = function()
+    if isinstance(result, pipelines.Source):
+        return result
+    try:
+        return pipelines.get_source(result)
+    except TypeError:
+        raise UserDataError(
+            f"--dataset={dataset!r} returned a {type(result).__name__}; it must return a "
+            f"pipelines.Source or a tf.data.Dataset of (features, label) examples, or take "
+            f"an input_context and return a dataset."
+        ) from None
