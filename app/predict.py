@@ -177,6 +177,10 @@ def _dataset(name: str, split: str, data_dir, run_config: dict):
         source.check_split(split)
     except ValueError as error:
         raise UsageError(f"--dataset/--split: {error}") from None
+    if name == user_data.TFRECORD:
+        # Raw records in: each worker decodes only the images it scores.
+        parse, normalize = source.parse_function(), pipelines.for_images(training=False)
+        return source.records(split), lambda record: normalize(*parse(record))
     dataset = source.read(split)
     features = dataset.element_spec[0]
     preprocess = None

@@ -179,6 +179,19 @@ class TFRecordSource(source_lib.Source):
             self._image_size = tuple(int(d) for d in image.shape[:2])
         return self._image_size
 
+    def parse_function(self) -> Callable:
+        """`serialized -> (features, label)`: what `read` applies to each record.
+
+        With `records`, lets a program decode only the records it keeps
+        (`tfdp.predict`'s `preprocess`).
+        """
+        return self._parse_fn()
+
+    def records(self, split: str) -> tf.data.Dataset:
+        """The split's raw serialized records, file after file in sorted order
+        (the order `read(split)` gives them in), not decoded."""
+        return tf.data.TFRecordDataset(self.files(split))
+
     def _parse_fn(self):
         if self._parse is not None:
             return self._parse
