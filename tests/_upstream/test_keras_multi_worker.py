@@ -141,7 +141,7 @@ def test_apply_and_remove_single_patches(patch_state):
     assert keras_multi_worker.applied() == ("reduce_logs_mean", "cond_call_time_captures")
 
 
-def test_apply_outside_the_known_range_patches_nothing_and_logs_once(
+def test_apply_outside_the_known_range_patches_nothing_and_warns_once(
     patch_state, monkeypatch, caplog
 ):
     monkeypatch.setattr(keras, "__version__", "3.16.0")
@@ -149,15 +149,21 @@ def test_apply_outside_the_known_range_patches_nothing_and_logs_once(
     caplog.set_level(logging.INFO, logger="absl")
     originals = {name: vars(owner).get(attr) for name, (owner, attr) in _targets().items()}
 
-    assert keras_multi_worker.apply() is False
-    assert keras_multi_worker.apply() is False
+    with pytest.warns(RuntimeWarning) as warned:
+        assert keras_multi_worker.apply() is False
+        assert keras_multi_worker.apply() is False
 
+    assert len(warned) == 1  # once, loudly
+    said = str(warned[0].message)
+    for expected in ("Keras 3.16.0", "keras-team/keras#20585", "tensorflow/tensorflow#72388",
+                     "tfdp.Trainer", "keras<=3.15"):
+        assert expected in said, said
     assert keras_multi_worker.applied() == ()
     for name, (owner, attr) in _targets().items():
         assert vars(owner).get(attr) is originals[name], name
-    skipped = [r for r in caplog.records if "not patching" in r.getMessage()]
+    skipped = [r for r in caplog.records if "are not applied" in r.getMessage()]
     assert len(skipped) == 1, [r.getMessage() for r in caplog.records]
-    assert "3.16.0" in skipped[0].getMessage()
+    assert skipped[0].levelno == logging.WARNING and "3.16.0" in skipped[0].getMessage()
 
 
 @pytest.mark.parametrize(

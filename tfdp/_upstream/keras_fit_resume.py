@@ -63,6 +63,25 @@ def is_supported(keras_version: str | None = None) -> bool:
     return _versions.keras_in_range(KNOWN_KERAS_RANGE, keras_version)
 
 
+def unsupported_message(feature: str) -> str:
+    """Why `feature` cannot resume mid-epoch on the installed Keras, and what to do instead.
+
+    For the refusal of a caller that needs `install()` and got False.
+    """
+    low, high = KNOWN_KERAS_RANGE
+    return (
+        f"{feature} needs tfdp's patch of Keras' epoch loop "
+        f"(tfdp/_upstream/keras_fit_resume.py), written for Keras {low[0]}.{low[1]} to "
+        f"{high[0]}.{high[1]}; the installed Keras {keras.__version__} is outside that "
+        f"range, so it is not applied, and a resumed epoch would restart at its first "
+        f"batch and apply the batches already trained twice (the upstream bug: "
+        f"keras-team/keras-hub#204, keras-team/keras#22490). Either back up once per "
+        f"epoch (BackupAndRestore(save_freq='epoch') with fit's own input, not "
+        f"backup.wrap(...)), train with tfdp.Trainer (which resumes mid-epoch without "
+        f"Keras' epoch loop), or install keras<={high[0]}.{high[1]}."
+    )
+
+
 def set_initial_epoch(model: keras.Model, epoch: int) -> None:
     """Makes the `fit` now calling `on_train_begin` start at `epoch`."""
     model._initial_epoch = epoch or None

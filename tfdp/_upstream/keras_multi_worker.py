@@ -90,7 +90,7 @@ workers train exactly like one device on the global batch (tested).
 
 The patches are gated on the installed Keras version (`is_needed`): 3.0 up
 to and including 3.15.*, the versions the bugs are known in. Outside that
-range `apply()` does nothing and logs so once; the multi-worker tests then
+range `apply()` does nothing and warns so once (`skipped_message`); the multi-worker tests then
 run unpatched and fail if the bugs are still there, which tells us to widen
 the range.
 """
@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from typing import Any, Callable, Iterable
 
 import keras
@@ -268,6 +269,22 @@ def is_needed(keras_version: str | None = None) -> bool:
     return _versions.keras_in_range(KNOWN_KERAS_RANGE, keras_version)
 
 
+def skipped_message() -> str:
+    """What `apply()` says, once, when the installed Keras is outside `KNOWN_KERAS_RANGE`."""
+    low, high = KNOWN_KERAS_RANGE
+    return (
+        f"tfdp: Keras {keras.__version__} is outside {low[0]}.{low[1]} to "
+        f"{high[0]}.{high[1]}, the versions tfdp's MultiWorkerMirroredStrategy patches of "
+        f"Keras' fit / evaluate / predict were written for, so they are not applied "
+        f"(tfdp/_upstream/keras_multi_worker.py). If this Keras still has the bugs "
+        f"(keras-team/keras#20585, tensorflow/tensorflow#72388, keras-team/keras#19246), "
+        f"fit and evaluate fail before their first step ('unsupported type ... PerReplica', "
+        f"'Invalid reduction dimension 0', or an unfed 'while/cond/Placeholder'). Then "
+        f"train with tfdp.Trainer, which does not use Keras' fit loop, or install "
+        f"keras<={high[0]}.{high[1]}."
+    )
+
+
 def _is_ours(value) -> bool:
     return bool(getattr(value, _PATCH_MARKER, False))
 
@@ -287,7 +304,9 @@ def apply(patches: Iterable[str] | None = None) -> bool:
     Returns:
         True if this call patched anything; False if everything asked for was
         already patched, or the installed Keras is outside
-        `KNOWN_KERAS_RANGE` (logged once).
+        `KNOWN_KERAS_RANGE` (then it warns once, with a `RuntimeWarning`
+        and an absl warning, naming the Keras version, the upstream issues
+        and the alternatives).
 
     Raises:
         TypeError, ValueError: `patches` is not an iterable of names from
@@ -297,15 +316,10 @@ def apply(patches: Iterable[str] | None = None) -> bool:
     names = _check_patch_names("patches", patches)
     if not is_needed():
         if not _skip_logged:
-            logging.info(
-                "tfdp: Keras %s is outside %s..%s.*, where the Keras "
-                "MultiWorkerMirroredStrategy bugs are known; not patching "
-                "(tfdp._upstream.keras_multi_worker).",
-                keras.__version__,
-                ".".join(map(str, KNOWN_KERAS_RANGE[0])),
-                ".".join(map(str, KNOWN_KERAS_RANGE[1])),
-            )
             _skip_logged = True
+            message = skipped_message()
+            logging.warning("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         return False
     changed = []
     with _lock:

@@ -115,3 +115,24 @@ def test_install_is_idempotent_and_version_gated():
     assert not keras_fit_resume.is_supported("3.16.0")
     with pytest.raises(ValueError, match=r"`keras_version` must look like 'MAJOR.MINOR"):
         keras_fit_resume.is_supported("three")
+
+
+def test_backup_and_restore_refuses_mid_epoch_resume_on_a_keras_it_does_not_patch(
+        monkeypatch, tmp_path):
+    """Outside KNOWN_KERAS_RANGE nothing is patched: a mid-epoch resume would repeat batches."""
+    from tfdp.callbacks import BackupAndRestore
+
+    monkeypatch.setattr(keras, "__version__", "3.16.0")  # what _versions reads
+    assert keras_fit_resume.install() is False
+    for make in (lambda: BackupAndRestore(str(tmp_path / "a"), save_freq=2),
+                 lambda: BackupAndRestore(str(tmp_path / "b")).wrap(bt.dataset_for_epoch)):
+        with pytest.raises(RuntimeError) as refused:
+            make()
+        said = str(refused.value)
+        for expected in ("Keras 3.16.0", "keras-team/keras-hub#204", "save_freq='epoch'",
+                         "tfdp.Trainer", "keras<=3.15"):
+            assert expected in said, said
+    # What needs no patch still works: an epoch-level backup of fit's own input.
+    BackupAndRestore(str(tmp_path / "c"), save_freq="epoch")
+    monkeypatch.undo()
+    assert keras_fit_resume.install()

@@ -134,6 +134,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             to 42.
 
     Raises:
+        RuntimeError: `save_freq` is a number of steps and the installed
+            Keras is outside the versions tfdp's resume patch was written for
+            (`tfdp._upstream.keras_fit_resume`; the message names the Keras
+            version, the upstream issue and the alternatives).
         ValueError: an argument is invalid (here), or, when `fit` starts:
             `backup_dir` holds a checkpoint of a different model or input
             (nothing in it is changed), `save_freq` is not a multiple of
@@ -168,7 +172,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._training = False
         self._watcher = None
         self._manager = None
-        keras_fit_resume.install()
+        # Outside the Keras versions the patch was written for, nothing is
+        # patched: refuse whatever would then resume at the wrong batch.
+        self._can_resume_mid_epoch = keras_fit_resume.install()
+        if save_freq != "epoch" and not self._can_resume_mid_epoch:
+            raise RuntimeError(keras_fit_resume.unsupported_message(
+                f"BackupAndRestore(save_freq={save_freq!r}) (a mid-epoch backup)"))
 
     # --- the input ------------------------------------------------------------
 
@@ -198,7 +207,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             TypeError: `dataset` is neither a dataset nor a callable returning
                 one.
             ValueError: the steps per epoch are unknown or not positive.
+            RuntimeError: the installed Keras is outside the versions
+                `tfdp._upstream.keras_fit_resume` patches (the message names
+                the alternatives).
         """
+        if not self._can_resume_mid_epoch:
+            raise RuntimeError(keras_fit_resume.unsupported_message("backup.wrap(...)"))
         datasets = (tf.data.Dataset, tf.distribute.DistributedDataset)
         if isinstance(dataset, datasets):
             fixed = dataset
