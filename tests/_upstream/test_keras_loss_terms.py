@@ -115,3 +115,23 @@ def test_version_gate():
     assert keras_loss_terms.is_supported()
     assert not keras_loss_terms.is_supported("3.99.0")
     assert not keras_loss_terms.is_supported("2.15.0")
+
+
+def test_an_unknown_keras_warns_once_for_compile_and_trainer(monkeypatch):
+    import tfdp
+
+    strategy = tfdp.make_strategy(cpu_replicas=2)  # before faking: it checks the version too
+    monkeypatch.setattr(keras, "__version__", "3.99.0")  # what _versions reads
+    monkeypatch.setattr(keras_loss_terms, "_warned_version", False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+    with pytest.warns(RuntimeWarning) as warned:
+        tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategy,
+                     batch=tfdp.BatchConfig(2, 2))
+        tfdp.compile(model, optimizer="sgd", loss="mse")
+    said = [str(w.message) for w in warned if "loss normalisation" in str(w.message)]
+    assert len(said) == 1, said  # once per process
+    for expected in ("Keras 3.99.0", "reduce_values", "test_keras_loss_terms.py",
+                     "keras<=3.15"):
+        assert expected in said[0], said[0]

@@ -96,9 +96,13 @@ def warn_if_unsupported() -> None:
     low, high = KNOWN_KERAS_RANGE
     warnings.warn(
         f"tfdp's loss normalisation repeats Keras' loss reduction as Keras "
-        f"{low[0]}.{low[1]} to {high[0]}.{high[1]} wrote it; Keras {keras.__version__} "
-        f"may reduce differently. Run tests/_upstream/test_keras_loss_terms.py against "
-        f"this Keras, or install keras<={high[0]}.{high[1]}.",
+        f"{low[0]}.{low[1]} to {high[0]}.{high[1]} wrote it (Keras divides each "
+        f"replica's loss by that replica's own count, keras/src/losses/loss.py "
+        f"`reduce_values`, and has no public way to get the two apart); Keras "
+        f"{keras.__version__} may reduce differently, and the loss would then differ "
+        f"from one device's. Run tests/_upstream/test_keras_loss_terms.py against this "
+        f"Keras, or install keras<={high[0]}.{high[1]}.",
+        RuntimeWarning,
         stacklevel=3,
     )
 

@@ -171,6 +171,7 @@ class SingleLoss:
         if loss is None or (not isinstance(loss, str) and not callable(loss)):
             raise ValueError(f"`loss` must name or be a Keras loss. Received: loss={loss!r}")
         check_loss(loss)
+        keras_loss_terms.warn_if_unsupported()  # as tfdp.compile does
         if isinstance(loss, str) and loss.lower() not in ("crossentropy", "ce"):
             keras.losses.get(loss)  # an unknown name fails here, not inside tf.function
         self.model = model
