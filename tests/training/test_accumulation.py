@@ -212,3 +212,49 @@ def test_jit_compile_on_several_cpu_replicas_is_refused():
         with pytest.raises(ValueError, match="jit_compile=True cannot run on a MirroredStrategy"):
             fit_compile.compile(model, optimizer="sgd", loss="mse", accum_steps=2,
                                  jit_compile=True)
+
+
+class _WithUnusedBranch(keras.Model):
+    """A classifier with a Dense layer whose output the loss never sees."""
+
+    def __init__(self):
+        super().__init__(name="with_unused_branch")
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.head = keras.layers.Dense(CLASSES)
+        # Its bias (non-zero, so weight decay would move it) is the model's
+        # smallest variable, the one a non-finite loss used to be folded into.
+        self.unused = keras.layers.Dense(2, bias_initializer="ones")
+
+    def call(self, x):
+        self.unused(x)  # built and trainable, but no gradient reaches it
+        return self.head(self.hidden(x))
+
+
+@pytest.mark.parametrize("accum_steps", [2, 1])
+def test_variables_without_a_gradient_are_left_alone_as_keras_does(accum_steps):
+    # AdamW's weight decay (and Adam's bias correction) moves a variable that
+    # gets a zero gradient; Keras skips variables whose gradient is None.
+    x, y = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+    results = {}
+    for name in ("keras", "tfdp"):
+        strategy = tfdp.make_strategy(cpu_replicas=2)
+        with strategy.scope():
+            keras.utils.set_random_seed(7)
+            model = _WithUnusedBranch()
+            model(x[:1])
+            optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            if name == "keras":
+                model.compile(optimizer=optimizer, loss=loss)
+            else:
+                fit_compile.compile(model, optimizer=optimizer, loss=loss,
+                                    accum_steps=accum_steps)
+        unused_before = [w.numpy() for w in model.unused.weights]
+        model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+        for before, after in zip(unused_before, model.unused.weights):
+            np.testing.assert_array_equal(after.numpy(), before, err_msg=name)
+        results[name] = [w.numpy() for w in model.weights]
+    for got, want in zip(results["tfdp"], results["keras"]):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+

@@ -144,15 +144,22 @@ def test_fold_loss_into_gradients_changes_nothing_unless_the_loss_is_not_finite(
             # `offset` does not depend on the weights: its NaN alone would
             # leave the gradients finite.
             loss = tf.reduce_sum(big * x) + 3.0 * small[0] + offset
-            if fold:
-                loss = nonfinite.fold_loss_into_gradients(loss, [big, small])
-        return [g.numpy() for g in tape.gradient(loss, [big, small])]
+        grads = tape.gradient(loss, [big, small])
+        if fold:
+            grads = nonfinite.fold_loss_into_gradients(loss, grads)
+        return [g.numpy() for g in grads]
 
     np.testing.assert_array_equal(gradients(0.0, True)[0], gradients(0.0, False)[0])
     np.testing.assert_array_equal(gradients(0.0, True)[1], gradients(0.0, False)[1])
     assert all(np.isfinite(g).all() for g in gradients(np.nan, False))
     folded = gradients(np.nan, True)
     assert np.isfinite(folded[0]).all() and np.isnan(folded[1]).all()  # the smallest
+    # A variable without a gradient keeps None (the optimizer leaves it alone).
+    unused = tf.Variable([7.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(big * x) + np.nan
+    grads = nonfinite.fold_loss_into_gradients(loss, tape.gradient(loss, [unused, big]))
+    assert grads[0] is None and np.isnan(grads[1].numpy()).all()
 
 
 def test_wrappers_serialize_and_checkpoint_their_counts(tmp_path):
@@ -300,3 +307,4 @@ def test_fit_under_mixed_float16_skips_and_counts():
 def test_compile_refuses_invalid_nonfinite_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _compiled(tfdp.make_strategy("default"), **kwargs)
+

@@ -13,7 +13,9 @@ tfdp accumulates inside the replica's train step instead
    micro-batch's activations are alive; `sum_micro_batch_gradients`);
 2. the micro-batch gradients are summed in local tensors, never reduced;
 3. after the loop the sum goes to `optimizer.apply_gradients` once: one
-   all-reduce and one optimizer update per global batch.
+   all-reduce and one optimizer update per global batch. A variable the loss
+   does not depend on gets `None`, as without accumulation, so the
+   optimizer leaves it alone as Keras does.
 
 Each micro-batch's loss is already its part of the global batch's loss
 (`tfdp.training.loss_normalization`), so the sums need no further scaling.
@@ -52,9 +54,7 @@ def split_micro_batches(data: Any, accum_steps: int) -> Any:
     return tf.nest.map_structure(split, data)
 
 
-def _dense(gradient, variable):
-    if gradient is None:
-        return tf.zeros_like(variable)
+def _dense(gradient):
     if isinstance(gradient, tf.IndexedSlices):
         return tf.convert_to_tensor(gradient)
     return gradient
@@ -65,7 +65,8 @@ def sum_micro_batch_gradients(
     accum_steps: int,
     variables: Sequence[tf.Variable],
     loss_fn: Callable[[Any], tf.Tensor],
-) -> list[tf.Tensor]:
+    on_gradients: Callable[[tf.Tensor, list], list] | None = None,
+) -> list[tf.Tensor | None]:
     """Sums gradients over `accum_steps` micro-batches of `data`, one at a time.
 
     Runs in replica context and reduces nothing: the caller all-reduces the
@@ -79,12 +80,23 @@ def sum_micro_batch_gradients(
         variables: the variables to differentiate with respect to.
         loss_fn: maps one micro-batch (same nest as `data`) to the scalar loss
             to differentiate; it may update metrics as a side effect.
+        on_gradients: `(loss, gradients) -> gradients`, applied to each
+            micro-batch's gradients before they are summed (e.g.
+            `nonfinite.fold_loss_into_gradients`). Defaults to None.
 
     Returns:
-        One dense tensor per variable: the sum of the micro-batch gradients
-        (zeros where a variable gets no gradient).
+        One entry per variable: the sum of the micro-batch gradients as a
+        dense tensor, or `None` where the loss does not depend on the
+        variable, as `tape.gradient` gives without accumulation. The
+        optimizer then leaves that variable alone, as Keras' own train step
+        does (a zero gradient would still move it under momentum, Adam or
+        weight decay).
     """
     micro_batches = split_micro_batches(data, accum_steps)
+    # Which gradients are None is known when the loop body is traced (the
+    # same for every micro-batch); such variables keep a zero sum in the loop
+    # and are reported as None after it.
+    unconnected: set[int] = set()
 
     def body(index, accumulated):
         micro_batch = tf.nest.map_structure(
@@ -93,10 +105,16 @@ def sum_micro_batch_gradients(
         with tf.GradientTape() as tape:
             loss = loss_fn(micro_batch)
         gradients = tape.gradient(loss, variables)
-        return index + 1, [
-            total + _dense(gradient, variable)
-            for total, gradient, variable in zip(accumulated, gradients, variables)
-        ]
+        if on_gradients is not None:
+            gradients = on_gradients(loss, gradients)
+        summed = []
+        for i, (total, gradient) in enumerate(zip(accumulated, gradients)):
+            if gradient is None:
+                unconnected.add(i)
+                summed.append(total)
+            else:
+                summed.append(total + _dense(gradient))
+        return index + 1, summed
 
     _, summed = tf.while_loop(
         lambda index, _: index < accum_steps,
@@ -104,4 +122,4 @@ def sum_micro_batch_gradients(
         (tf.constant(0), [tf.zeros_like(v) for v in variables]),
         parallel_iterations=1,
     )
-    return summed
+    return [None if i in unconnected else total for i, total in enumerate(summed)]

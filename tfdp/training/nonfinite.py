@@ -675,22 +675,41 @@ def guard_of(optimizer) -> _SkipNonFinite | None:
     return optimizer if isinstance(optimizer, _SkipNonFinite) else None
 
 
-def fold_loss_into_gradients(loss: tf.Tensor, variables: Sequence[tf.Variable]) -> tf.Tensor:
-    """`loss` plus a term that is 0, with gradient NaN when `loss` is not finite.
+def _static_size(gradient) -> float:
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    size = values.shape.num_elements()
+    return math.inf if size is None else size
+
+
+def fold_loss_into_gradients(loss: tf.Tensor, gradients: Sequence) -> list:
+    """`gradients`, with the smallest present one NaN when `loss` is not finite.
 
     A non-finite loss usually makes the gradients non-finite, but not always
-    (a term that does not depend on the weights). The added term's gradient
-    with respect to the smallest variable is 0 when `loss` is finite (so no
-    gradient changes) and NaN otherwise, which the wrapper then sees in the
-    summed gradients. Call it inside the gradient tape.
+    (a term that does not depend on the weights). Adding 0 (finite loss) or
+    NaN to one gradient lets the wrapper see it in the summed gradients.
+    Applied to the gradients, after `tape.gradient`, so that a variable the
+    loss does not depend on keeps its `None` gradient and the optimizer
+    leaves it alone, as Keras does.
 
     Args:
-        loss: the scalar loss to differentiate.
-        variables: the variables the gradients are taken of.
+        loss: the scalar loss the gradients are of.
+        gradients: one gradient (tensor, `tf.IndexedSlices` or `None`) per
+            variable.
 
     Returns:
-        The loss to differentiate instead (equal to `loss`).
+        The gradients (a list), equal to `gradients` when `loss` is finite.
     """
-    smallest = min(variables, key=lambda v: math.prod(v.shape))
-    flag = tf.where(tf.math.is_finite(loss), tf.zeros_like(loss), tf.fill(tf.shape(loss), math.nan))
-    return loss + flag * tf.cast(tf.reduce_sum(smallest), loss.dtype)
+    gradients = list(gradients)
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    if not present:
+        return gradients
+    index = min(present, key=lambda i: _static_size(gradients[i]))
+    gradient = gradients[index]
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    flag = tf.where(tf.math.is_finite(loss), tf.zeros_like(loss),
+                    tf.fill(tf.shape(loss), math.nan))
+    values = values + tf.cast(flag, values.dtype)
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    gradients[index] = values
+    return gradients

@@ -188,9 +188,10 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         denominators = normalizer.denominators(share, global_counts)
         loss, term_losses = normalizer.loss(share, denominators)
         track(share, loss, denominators, term_losses, mx, my, y_pred, msw)
-        if guarded:  # a non-finite loss makes a gradient NaN: the step is skipped
-            loss = nonfinite_lib.fold_loss_into_gradients(loss, variables)
         return optimizer.scale_loss(loss)
+
+    # A non-finite loss makes a gradient NaN: the guard skips the step.
+    on_gradients = nonfinite_lib.fold_loss_into_gradients if guarded else None
 
     can_defer = getattr(optimizer, "accepts_global_divisor", False)
     # Deferred counts are per global example; the losses are divided by this
@@ -206,6 +207,8 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         with tf.GradientTape() as tape:
             scaled_loss = share_loss(x, y, sample_weight, early)
         gradients = tape.gradient(scaled_loss, variables)
+        if on_gradients is not None:
+            gradients = on_gradients(scaled_loss, gradients)
     else:
         global_counts, deferred = None, False
         if normalizer.is_global:
@@ -218,7 +221,7 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
                 global_counts = global_counts * estimate
         gradients = accumulation.sum_micro_batch_gradients(
             (x, y, sample_weight), accum_steps, variables,
-            lambda micro_batch: share_loss(*micro_batch, global_counts),
+            lambda micro_batch: share_loss(*micro_batch, global_counts), on_gradients,
         )
     # Each share's loss is already its part of the global batch's loss (times
     # the global examples N when deferred): the all-reduce SUM inside
