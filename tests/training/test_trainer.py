@@ -445,3 +445,28 @@ def test_jit_compiled_trainer_matches_keras_fit():
 def test_jit_compile_on_several_cpu_replicas_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="XLA cannot reach variables on another logical CPU"):
         _trainer(tfdp.make_strategy(cpu_replicas=2), jit_compile=True)
+
+
+def test_a_dataset_batched_per_replica_is_refused_before_any_step(tmp_path):
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    trainer = _trainer(strategy, model_dir=str(tmp_path))
+    before = [w.numpy() for w in trainer.model.weights]
+    replica_batch = GLOBAL_BATCH // 2
+    per_replica = tf.data.Dataset.from_tensor_slices(_arrays())
+    for dataset in (per_replica.batch(replica_batch, drop_remainder=True),  # static shape
+                    per_replica.batch(replica_batch)):  # read from the first batch
+        with pytest.raises(ValueError, match=rf"first batch holds {replica_batch} examples.*"
+                           rf"global batches of {GLOBAL_BATCH}.*batched per replica.*"
+                           rf"\.batch\({GLOBAL_BATCH}, drop_remainder=True\)"):
+            trainer.train(dataset, epochs=1)
+    # A distributed dataset holds per-replica batches: the global batch there is refused.
+    wrong = strategy.experimental_distribute_dataset(_global_batches(2 * GLOBAL_BATCH))
+    with pytest.raises(ValueError, match=rf"per-replica batches of {replica_batch}"):
+        trainer.train(wrong, epochs=1)
+    assert int(trainer.optimizer.iterations.numpy()) == 0
+    for want, got in zip(before, trainer.model.weights):
+        np.testing.assert_array_equal(got.numpy(), want)
+    assert not tf.io.gfile.glob(str(tmp_path / "ckpt-*"))
+    # The right batches train.
+    assert trainer.train(strategy.experimental_distribute_dataset(_global_batches()),
+                         steps=1)["steps"] == 1

@@ -115,3 +115,61 @@ class BatchConfig:
             f"replica(s) × {self.accum_steps} accumulation step(s) = "
             f"{self.global_batch} global examples per optimizer step"
         )
+
+
+def _leading_dimension(spec) -> int | None:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel  (BatchConfig stays light)
+
+    leaves = [s for s in tf.nest.flatten(spec, expand_composites=True)
+              if isinstance(s, tf.TensorSpec) and s.shape.rank]
+    return leaves[0].shape[0] if leaves else None
+
+
+def check_first_batch(dataset, batch: BatchConfig, owner: str = "Trainer") -> None:
+    """Refuses a dataset whose batches are not the global (or replica) batch `batch` says.
+
+    A `tf.data.Dataset` must yield global batches of `batch.global_batch`
+    examples (`tf.distribute` splits each over the replicas); a distributed
+    dataset, batches of `batch.replica_batch` examples per replica. A dataset
+    batched per replica and handed over as a `tf.data.Dataset` would train on
+    global batches `num_replicas` times smaller than configured, silently
+    (more steps per epoch, a learning rate tuned for another batch). The
+    batch dimension is read from the dataset's static shapes; when a
+    `tf.data.Dataset`'s is unknown (no `drop_remainder`), its first batch is
+    read once. A distributed dataset without a static batch dimension is not
+    checked.
+
+    Raises:
+        ValueError: the first batch has another size; the message says how
+            to batch the dataset.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    if isinstance(dataset, tf.data.Dataset):
+        size = _leading_dimension(dataset.element_spec)
+        if size is None:
+            for element in dataset.take(1):
+                leaves = [t for t in tf.nest.flatten(element) if t is not None and t.shape.rank]
+                size = int(tf.shape(leaves[0])[0]) if leaves else None
+        expected, kind = batch.global_batch, "global batches"
+    elif isinstance(dataset, tf.distribute.DistributedDataset):
+        size = _leading_dimension(dataset.element_spec)
+        expected, kind = batch.replica_batch, "per-replica batches"
+    else:
+        return
+    if size is None or size == expected:
+        return
+    if isinstance(dataset, tf.data.Dataset):
+        fix = (f"Batch it with .batch({batch.global_batch}, drop_remainder=True): a "
+               f"tf.data.Dataset holds global batches, which tf.distribute splits over the "
+               f"{batch.num_replicas} replicas")
+        if size * batch.num_replicas == batch.global_batch:
+            fix = "It looks batched per replica. " + fix
+    else:
+        fix = (f"Batch each input pipeline with {batch.replica_batch} examples per replica "
+               f"(batch.replica_batch)")
+    raise ValueError(
+        f"{owner}: the dataset's first batch holds {size} examples, but {batch.describe()} "
+        f"expects {kind} of {expected}. {fix}, or build the BatchConfig for the batch you "
+        f"mean (tfdp.BatchConfig.from_global(global_batch, num_replicas, accum_steps))."
+    )

@@ -341,8 +341,11 @@ class Trainer:
             this call's throughput.
 
         Raises:
-            ValueError: neither or both of `steps` / `epochs`, or the steps
-                per epoch cannot be determined.
+            ValueError: neither or both of `steps` / `epochs`, the steps
+                per epoch cannot be determined, or the dataset's first batch
+                is not `batch.global_batch` examples (`batch.replica_batch`
+                per replica for a distributed dataset; see
+                `tfdp.training.batch.check_first_batch`).
             tfdp.training.nonfinite.NonFiniteError: `max_consecutive_nonfinite` steps
                 in a row were not finite, or a checkpoint would have held
                 non-finite weights (none is written).
@@ -397,9 +400,14 @@ class Trainer:
         if self._monitor is not None:
             self._monitor.prime()
         logs: dict = {}
+        checked = False
         while global_step < total_steps:
             epoch, offset = divmod(global_step, steps_per_epoch)
-            iterator = self._steps.distribute(dataset_for_epoch(epoch), offset)
+            dataset = dataset_for_epoch(epoch)
+            if not checked:  # before the first step: nothing trained or written yet
+                batch_lib.check_first_batch(dataset, self.batch, owner="tfdp Trainer")
+                checked = True
+            iterator = self._steps.distribute(dataset, offset)
             self._reset(self._steps.train_loss, *self._steps.train_metrics)
             while offset < steps_per_epoch and global_step < total_steps:
                 num = min(self.steps_per_loop, steps_per_epoch - offset, total_steps - global_step)
