@@ -26,6 +26,7 @@ from tfdp.training import fit_compile
 from tfdp.training import checkpointing
 from tfdp.callbacks import BackupAndRestore
 from tfdp.training import lr_schedules
+from tfdp.training import nonfinite as nonfinite_lib
 from tfdp import optimizers as tfdp_optimizers
 from tfdp.distribute import config_check
 from tfdp.distribute import strategy as strategy_lib
@@ -125,7 +126,7 @@ class _EpochTimer(keras.callbacks.Callback):
         self.epochs: list[tuple[float, int]] = []  # (seconds, steps)
 
     def _state(self):
-        return time.perf_counter(), int(self.model.optimizer.iterations.numpy())
+        return time.perf_counter(), _training_steps(self.model.optimizer)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = self._state()
@@ -231,7 +232,7 @@ def train_and_evaluate(
             config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch, info
         )
         eval_model = model
-        steps = int(optimizer.iterations.numpy())
+        steps = _training_steps(model.optimizer)
     else:
         trainer = Trainer(
             model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
@@ -309,6 +310,15 @@ def steps_per_execution_for(
     return max(d for d in range(1, min(steps_per_loop, common) + 1) if common % d == 0)
 
 
+def _training_steps(optimizer) -> int:
+    """Training steps (global batches) taken: `optimizer.iterations` counts applied
+    updates only, so steps skipped for a non-finite loss or gradient are added back
+    (`Trainer.global_step`'s count)."""
+    guard = nonfinite_lib.guard_of(optimizer)
+    skipped = 0 if guard is None else int(keras.ops.convert_to_numpy(guard.skipped_steps))
+    return int(optimizer.iterations.numpy()) + skipped
+
+
 def _final_checkpoint(config, model, info) -> checkpointing.ChiefCheckpointManager:
     """Where `--loop=fit` keeps its final weights and optimizer: `model_dir`."""
     return checkpointing.ChiefCheckpointManager(
@@ -330,7 +340,7 @@ def _restore_finished_run(config, model, info, total_steps: int) -> bool:
     with model.distribute_strategy.scope():  # slots exist before they are restored
         model.optimizer.build(model.trainable_variables)
     manager.restore_latest()
-    done = int(model.optimizer.iterations.numpy())
+    done = _training_steps(model.optimizer)
     if done < total_steps:
         raise ConfigError(
             f"--model_dir={config.model_dir} holds a finished --loop=fit run of {done} "
@@ -384,7 +394,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
     history = model.fit(fit_input, epochs=config.epochs, steps_per_epoch=fit_steps,
                         callbacks=callbacks, verbose=verbose)
     if config.model_dir:
-        _final_checkpoint(config, model, info).save(int(model.optimizer.iterations.numpy()))
+        _final_checkpoint(config, model, info).save(_training_steps(model.optimizer))
     train_logs = {k: v[-1] for k, v in history.history.items()}
     # The last epoch's throughput: the first one includes tracing.
     seconds, steps = timer.epochs[-1] if timer.epochs else (0.0, 0)

@@ -147,3 +147,27 @@ def test_fit_loop_reruns_a_finished_run_without_training_it_again(tmp_path, digi
     longer = dataclasses.replace(config, epochs=2)
     with pytest.raises(ConfigError, match="holds a finished --loop=fit run of 2 steps"):
         _run(longer)
+
+
+def test_fit_loop_reruns_a_finished_run_that_skipped_nonfinite_steps(tmp_path, digits_dir):
+    # optimizer.iterations counts applied updates only: a finished run of 2
+    # training steps, one skipped for a non-finite gradient, holds iterations
+    # 1 and skipped_steps 1. Its rerun must see 2 steps, not a shorter run.
+    config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
+                       epochs=1, steps_per_epoch=2, model_dir=str(tmp_path), eval=False)
+    _, model = _run(config)
+    guard = model.optimizer
+    assert int(guard.skipped_steps.numpy()) == 0 and int(guard.iterations.numpy()) == 2
+    guard.iterations.assign(1)
+    guard.skipped_steps.assign(1)
+    saved = tf.train.latest_checkpoint(str(tmp_path))
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=guard)
+    checkpoint.save_counter.assign(1)  # as the run's own save wrote it
+    checkpoint.write(saved)
+
+    again, rerun = _run(config)
+    assert again["steps"] == 2
+    assert int(rerun.optimizer.iterations.numpy()) == 1  # restored, not trained again
+    longer = dataclasses.replace(config, epochs=2)
+    with pytest.raises(ConfigError, match="holds a finished --loop=fit run of 2 steps"):
+        _run(longer)
