@@ -258,3 +258,21 @@ def test_variables_without_a_gradient_are_left_alone_as_keras_does(accum_steps):
     for got, want in zip(results["tfdp"], results["keras"]):
         np.testing.assert_allclose(got, want, atol=2e-5)
 
+
+class _OwnStep(keras.Sequential):
+    def train_step(self, data):  # pragma: no cover - never run: refused
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("loss_normalization", ["global", "per_replica"])
+def test_a_model_with_its_own_train_step_is_refused_under_accumulation(loss_normalization):
+    # tfdp.compile would have to replace the model's step to accumulate:
+    # refused, never silently replaced (nor the accumulation dropped).
+    model = _OwnStep([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    with pytest.raises(ValueError, match=r"_OwnStep overrides `train_step`, so tfdp cannot "
+                       r"accumulate gradients through it.*accum_steps=1"):
+        fit_compile.compile(model, optimizer="sgd", loss="mse", accum_steps=2,
+                            loss_normalization=loss_normalization)
+    assert "train_step" not in vars(model)
+    fit_compile.compile(model, optimizer="sgd", loss="mse", loss_normalization="per_replica")
+    assert "train_step" not in vars(model)  # accum_steps=1: the model's own step runs

@@ -29,6 +29,13 @@ things Keras has no public hook for:
    the first `b` batches skipped, steps numbered `b, b + k, ...` up to the
    epoch's end, `k` = `steps_per_execution`); every other input runs Keras'
    own generator unchanged.
+4. `fit(class_weight=...)`. Keras hands `class_weight` to
+   `data_adapters.get_data_adapter`, which returns a `DataAdapter` input
+   unchanged and drops it. `install()` also wraps that function: for an
+   `EpochInput` it records the class weights, and each epoch's
+   `tf.data.Dataset` gets them as sample weights with Keras' own map
+   (`tf_dataset_adapter.make_class_weight_map_fn`, what Keras does to a
+   dataset `x`); a distributed dataset cannot be mapped, so that is refused.
 
 `tests/training/callbacks/test_keras_fit_resume.py` checks each of these against the
 installed Keras (and that Keras' own callback still re-applies batches, the
@@ -46,8 +53,10 @@ import tensorflow as tf
 
 from tfdp._upstream import _versions
 
+from keras.src.trainers import data_adapters as _data_adapters
 from keras.src.trainers import epoch_iterator as _epoch_iterator
 from keras.src.trainers.data_adapters import data_adapter as _data_adapter
+from keras.src.trainers.data_adapters import tf_dataset_adapter as _tf_dataset_adapter
 
 # pylint: disable=protected-access
 
@@ -123,6 +132,20 @@ class EpochInput(_data_adapter.DataAdapter):
         self._position = position
         self._num_batches = num_batches
         self.in_use = False  # set when a `fit` adopts this input
+        self.class_weight = None  # fit's `class_weight`, recorded by the patched get_data_adapter
+
+    def adopt_class_weight(self, class_weight) -> None:
+        """Records `fit(class_weight=...)` for the epochs of this `fit` (None: none)."""
+        if class_weight is not None and isinstance(
+                self._dataset_fn(0), tf.distribute.DistributedDataset):
+            raise ValueError(
+                "fit(class_weight=...) cannot be applied to a backup.wrap(...) input whose "
+                "epochs are distributed datasets (they cannot be mapped after "
+                "distribution). Turn the class weights into sample weights in the input "
+                "pipeline (yield (x, y, weight) with weight = class_weight[y]), or return "
+                "tf.data.Datasets of global batches from dataset_fn."
+            )
+        self.class_weight = class_weight
 
     def dataset(self, epoch: int, skip: int = 0):
         """The global batches of `epoch` from batch `skip` on.
@@ -150,6 +173,9 @@ class EpochInput(_data_adapter.DataAdapter):
             )
         if isinstance(dataset, tf.distribute.DistributedDataset):
             return dataset
+        if self.class_weight is not None:  # as Keras' TFDatasetAdapter does
+            dataset = dataset.map(
+                _tf_dataset_adapter.make_class_weight_map_fn(self.class_weight))
         dataset = dataset.take(self._steps_per_epoch)
         return dataset.skip(skip) if skip else dataset
 
@@ -227,8 +253,20 @@ def _make_enumerate_iterator(original: Callable) -> Callable:
     return _enumerate_iterator
 
 
+def _make_get_data_adapter(original: Callable) -> Callable:
+    def get_data_adapter(x, *args, **kwargs):
+        if isinstance(x, EpochInput):
+            x.adopt_class_weight(kwargs.get("class_weight"))
+            return x
+        return original(x, *args, **kwargs)
+
+    return get_data_adapter
+
+
 def install() -> bool:
     """Routes `fit`'s epoch loop through `EpochInput` when it is the input.
+
+    Also makes `fit(class_weight=...)` reach an `EpochInput` (item 4 above).
 
     Idempotent; a no-op (returning False) on Keras versions outside
     `KNOWN_KERAS_RANGE`.
@@ -245,14 +283,25 @@ def install() -> bool:
             setattr(replacement, _PATCH_MARKER, True)
             replacement.__wrapped__ = current
             _epoch_iterator.EpochIterator._enumerate_iterator = replacement
+        current = _data_adapters.get_data_adapter
+        if not getattr(current, _PATCH_MARKER, False):
+            replacement = _make_get_data_adapter(current)
+            setattr(replacement, _PATCH_MARKER, True)
+            replacement.__wrapped__ = current
+            _data_adapters.get_data_adapter = replacement
     return True
 
 
 def uninstall() -> bool:
-    """Restores Keras' own `_enumerate_iterator`; True if it was patched."""
+    """Restores Keras' own `_enumerate_iterator` and `get_data_adapter`; True if patched."""
     with _lock:
+        restored = False
         current = _epoch_iterator.EpochIterator._enumerate_iterator
-        if not getattr(current, _PATCH_MARKER, False):
-            return False
-        _epoch_iterator.EpochIterator._enumerate_iterator = current.__wrapped__
-        return True
+        if getattr(current, _PATCH_MARKER, False):
+            _epoch_iterator.EpochIterator._enumerate_iterator = current.__wrapped__
+            restored = True
+        current = _data_adapters.get_data_adapter
+        if getattr(current, _PATCH_MARKER, False):
+            _data_adapters.get_data_adapter = current.__wrapped__
+            restored = True
+        return restored

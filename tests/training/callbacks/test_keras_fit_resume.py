@@ -136,3 +136,35 @@ def test_backup_and_restore_refuses_mid_epoch_resume_on_a_keras_it_does_not_patc
     BackupAndRestore(str(tmp_path / "c"), save_freq="epoch")
     monkeypatch.undo()
     assert keras_fit_resume.install()
+
+
+def test_fit_class_weight_reaches_a_wrapped_input_as_keras_applies_it(tmp_path):
+    """Keras drops `class_weight` for a DataAdapter input; the patch hands it over."""
+    import numpy as np
+    from tfdp.callbacks import BackupAndRestore
+
+    class_weight = {0: 0.0, 1: 3.0, 2: 1.0}
+    results = []
+    for wrapped in (False, True):
+        model = bt.compile_model(bt.build_model())
+        callbacks, x = [], bt.dataset_for_epoch(0)
+        if wrapped:
+            backup = BackupAndRestore(str(tmp_path / "backup"))
+            x, callbacks = backup.wrap(lambda epoch: bt.dataset_for_epoch(0)), [backup]
+        history = model.fit(x, epochs=2, class_weight=class_weight, callbacks=callbacks,
+                            verbose=0, shuffle=False)
+        results.append(([w.numpy() for w in model.weights], history.history["loss"]))
+    (keras_weights, keras_loss), (wrapped_weights, wrapped_loss) = results
+    for got, want in zip(wrapped_weights, keras_weights):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(wrapped_loss, keras_loss, rtol=1e-6)
+    # Distributed epochs cannot be mapped: refused, not ignored.
+    import tfdp
+
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    with strategy.scope():
+        model = bt.compile_model(bt.build_model())
+    backup = BackupAndRestore(str(tmp_path / "distributed"))
+    x = backup.wrap(lambda epoch: strategy.experimental_distribute_dataset(bt.dataset_for_epoch(0)))
+    with pytest.raises(ValueError, match=r"class_weight=.*cannot be applied.*sample weights"):
+        model.fit(x, epochs=1, class_weight=class_weight, callbacks=[backup], verbose=0)
