@@ -5,6 +5,8 @@ transcription of the update in the issue / class docstring, over several
 steps, with excluded and non-excluded variables and zero-norm cases.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -325,3 +327,24 @@ def test_fit_two_replicas_equals_one_device(mirrored):
     for one_device, two_replicas in zip(*results):
         np.testing.assert_allclose(two_replicas, one_device, rtol=1e-5, atol=1e-6)
     assert not np.allclose(results[0][0], initial[0])
+
+
+def test_a_pattern_that_matches_no_variable_warns_once_with_the_paths():
+    # BERT's "LayerNorm" names nothing under Keras 3 paths ("norm/gamma").
+    model = make_model()
+    optimizer = LARS(0.1, exclude_from_weight_decay=["LayerNorm", "bias"],
+                     exclude_from_layer_adaptation=["LayerNorm", "^nowhere/"])
+    with pytest.warns(UserWarning) as warned:
+        optimizer.build(model.trainable_variables)
+        optimizer.build(model.trainable_variables)  # built already: no second warning
+    assert len(warned) == 1
+    said = str(warned[0].message)
+    assert "exclude_from_weight_decay: 'LayerNorm'" in said
+    assert "exclude_from_layer_adaptation: '^nowhere/'" in said
+    assert "'bias'" not in said  # matches dense/bias and zero/bias
+    assert "'dense/kernel'" in said and "layer_normalization" in said
+    # Defaults (and patterns that match) say nothing, also after a config round trip.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LARS.from_config(LARS(0.1).get_config()).build(make_model().trainable_variables)
+        LARS(0.1, exclude_from_weight_decay=["norm"]).build(make_model().trainable_variables)

@@ -17,6 +17,7 @@ cannot tell layers apart, so it is not reused for matching.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Iterable, Sequence
 
 #: Default exclusions: every bias, and the scale/offset (`gamma`/`beta`) of
@@ -109,6 +110,13 @@ class LayerwiseExclusionMixin:
     """
 
     def _setup_exclusions(self, exclude_from_weight_decay, exclude_from_layer_adaptation):
+        # The patterns the user wrote (not the defaults): one that matches no
+        # variable is almost always a name from another framework (BERT's
+        # "LayerNorm"), so `build` warns about it.
+        self._given_patterns = {
+            "exclude_from_weight_decay": tuple(exclude_from_weight_decay or ()),
+            "exclude_from_layer_adaptation": tuple(exclude_from_layer_adaptation or ()),
+        }
         self._weight_decay_exclusions = tuple(
             resolve_patterns(
                 "exclude_from_weight_decay",
@@ -162,9 +170,13 @@ class LayerwiseExclusionMixin:
                 "Pass `exclude_from_weight_decay=[...]` to the constructor or "
                 "call the method earlier."
             )
-        self._weight_decay_exclusions = self._weight_decay_exclusions + tuple(
-            resolve_patterns("var_names", var_names, ())
-        )
+        added = tuple(resolve_patterns("var_names", var_names, ()))
+        self._weight_decay_exclusions = self._weight_decay_exclusions + added
+        self._given_patterns = {
+            **self._given_patterns,
+            "exclude_from_weight_decay":
+                self._given_patterns["exclude_from_weight_decay"] + added,
+        }
         self._excluded_variable_ids = self._excluded_variable_ids | frozenset(
             id(variable) for variable in var_list or ()
         )
@@ -181,6 +193,32 @@ class LayerwiseExclusionMixin:
             adapts.append(not matches_any(self._layer_adaptation_exclusions, path))
         self._decays = tuple(decays)
         self._adapts = tuple(adapts)
+        self._warn_unmatched([variable_path(v) for v in variables])
+
+    def _warn_unmatched(self, paths: Sequence[str]) -> None:
+        """Warns (once, at build) about given patterns that match none of `paths`."""
+        unmatched, reported = {}, set(DEFAULT_EXCLUDE_PATTERNS)  # defaults may match nothing
+        for argument, patterns in self._given_patterns.items():
+            found = [p for p in dict.fromkeys(patterns)
+                     if p not in reported and not any(re.search(p, path) for path in paths)]
+            reported.update(found)
+            if found:
+                unmatched[argument] = found
+        if not unmatched or not paths:
+            return
+        what = "; ".join(f"{argument}: {', '.join(map(repr, found))}"
+                         for argument, found in unmatched.items())
+        examples = ", ".join(repr(path) for path in paths[:4])
+        warnings.warn(
+            f"{type(self).__name__}: exclusion pattern(s) that match no variable of the "
+            f"{len(paths)} it was built for, so they exclude nothing ({what}). Patterns "
+            f"are regular expressions searched in each variable's Keras 3 path, such as "
+            f"{examples}; a LayerNormalization's scale and offset are "
+            f"'.../layer_normalization/gamma' and '.../beta', not TF 1 / BERT names such "
+            f"as 'LayerNorm'. Fix the pattern (e.g. r'layer_normalization' or "
+            f"r'(^|/)(gamma|beta)$'), or drop it.",
+            UserWarning, stacklevel=4,
+        )
 
     def build(self, variables):
         if self.built:
