@@ -194,7 +194,11 @@ def test_wrap_optimizer_picks_the_wrapper():
     keras_scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0)
     scaled = nonfinite.wrap_optimizer(keras_scaled, nonfinite="skip")
     assert isinstance(scaled, NonFiniteLossScaleOptimizer) and scaled.initial_scale == 64.0
-    assert type(nonfinite.wrap_optimizer(keras_scaled, nonfinite=None)) is loss_scale.LossScaleOptimizer
+    # Under loss scaling, nonfinite=None takes the same decision path, without a limit.
+    unlimited = nonfinite.wrap_optimizer(keras_scaled, nonfinite=None)
+    assert isinstance(unlimited, NonFiniteLossScaleOptimizer) and unlimited.initial_scale == 64.0
+    assert unlimited.max_consecutive_nonfinite == nonfinite.NO_LIMIT
+    assert isinstance(unlimited, loss_scale.LossScaleOptimizer)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         NonFiniteGuard(keras.optimizers.SGD(gradient_accumulation_steps=2))
 
@@ -308,3 +312,25 @@ def test_compile_refuses_invalid_nonfinite_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _compiled(tfdp.make_strategy("default"), **kwargs)
 
+
+@pytest.mark.parametrize("mode", ["skip", None])
+def test_mixed_float16_decides_from_the_reduced_gradients_in_every_mode(mode):
+    # One path owns the decision under loss scaling: the scaled gradients are
+    # all-reduced once (no separate flag all-reduce), checked summed, then
+    # unscaled; with nonfinite=None too, whose skips are counted so that
+    # iterations + skipped_steps stays the steps taken (what resuming reads).
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        strategy, counter = counting_mirrored_strategy()
+        model = _compiled(strategy, nonfinite=mode)
+        assert isinstance(model.optimizer, NonFiniteLossScaleOptimizer)
+        model.fit(_batches(), epochs=1, verbose=0)
+        per_step = int(counter.numpy()) / STEPS
+        counter.assign(0)
+        model.fit(_batches(nan_batches=[NAN_BATCH]), epochs=1, verbose=0)
+        assert int(counter.numpy()) / STEPS == per_step
+        assert int(model.optimizer.skipped_steps.numpy()) == 1
+        assert int(model.optimizer.iterations.numpy()) == 2 * STEPS - 1
+        assert all(np.isfinite(w).all() for w in model.get_weights())
+    finally:
+        keras.config.set_dtype_policy("float32")

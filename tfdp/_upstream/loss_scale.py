@@ -11,8 +11,13 @@ so workers can disagree; one then waits alone in the gradient all-reduce.
 
 `LossScaleOptimizer` here all-reduces the "some gradient is not finite" flag
 over every replica and worker before Keras decides, so all replicas skip
-(and halve the loss scale) or all apply. It costs one scalar all-reduce per
-step, only under the `mixed_float16` policy.
+(and halve the loss scale) or all apply, at one scalar all-reduce per step.
+tfdp's training paths do not pay it: `tfdp.compile` and `tfdp.Trainer` train
+under `mixed_float16` with `tfdp.training.nonfinite.NonFiniteLossScaleOptimizer`
+(a subclass; in every `nonfinite` mode), which all-reduces the scaled
+gradients itself, decides from their sums (the same on every replica) and
+then unscales them, so its `apply` never reaches `check_finite`. This class
+is for a Keras `LossScaleOptimizer` used directly under a strategy.
 `tests/_upstream/test_loss_scale.py` shows the upstream optimizer still
 applying an overflow from the second replica (so this can go when that test
 fails) and this one skipping it on every replica.
@@ -38,25 +43,3 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         return tf.equal(not_finite, 0.0)
 
-
-def with_consistent_loss_scaling(optimizer):
-    """Wraps `optimizer` for the `mixed_float16` policy, replacing Keras' wrapper.
-
-    Args:
-        optimizer: a Keras optimizer instance, possibly a Keras
-            `LossScaleOptimizer` (its inner optimizer, initial scale and
-            growth steps are kept).
-
-    Returns:
-        A tfdp `LossScaleOptimizer` (`optimizer` itself if it already is one).
-    """
-    if isinstance(optimizer, LossScaleOptimizer):
-        return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return LossScaleOptimizer(
-            optimizer.inner_optimizer,
-            initial_scale=optimizer.initial_scale,
-            dynamic_growth_steps=optimizer.dynamic_growth_steps,
-            name=optimizer.name,
-        )
-    return LossScaleOptimizer(optimizer, name="loss_scale_optimizer")

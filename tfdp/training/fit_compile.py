@@ -140,7 +140,9 @@ def compile(  # pylint: disable=redefined-builtin
     `model.optimizer.skipped_steps` (checkpointed with the optimizer). After
     `max_consecutive_nonfinite` in a row, `fit` raises
     `tfdp.training.nonfinite.NonFiniteError`. `"raise"` raises at the first (never
-    applying it); `None` keeps Keras' behaviour. Keras still logs the loss of
+    applying it); `None` keeps Keras' behaviour (under `mixed_float16`:
+    overflowing steps skipped as Keras' loss scaling does, with no limit, and
+    counted in `skipped_steps`). Keras still logs the loss of
     a skipped step (NaN) in the epoch's mean, what the forward pass updates
     (BatchNormalization moving statistics) is not undone, and
     `BackupAndRestore` counts it as a step (its position is in batches).
@@ -234,7 +236,8 @@ def compile(  # pylint: disable=redefined-builtin
     )
     if loss_scaling or nonfinite is not None:
         # Under mixed_float16, what Keras' compile would do, with replicas
-        # that agree on skipping an overflowing step (tfdp._upstream.loss_scale).
+        # that agree on skipping an overflowing step: the decision is taken
+        # from the all-reduced scaled gradients (tfdp.training.nonfinite).
         optimizer = nonfinite_lib.wrap_optimizer(
             optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
             loss_scaling=loss_scaling, all_reduce_dtype=all_reduce_dtype,

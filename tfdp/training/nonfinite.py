@@ -65,6 +65,9 @@ from tfdp._upstream import loss_scale
 MODES = ("skip", "raise")
 #: Default `max_consecutive_nonfinite`.
 DEFAULT_MAX_CONSECUTIVE = 10
+#: The limit under `mixed_float16` with `nonfinite=None`: skip overflowing
+#: steps forever, as Keras' loss scaling does.
+NO_LIMIT = 2**62
 
 class NonFiniteError(FloatingPointError):
     """Training stopped: too many non-finite steps in a row, or non-finite weights."""
@@ -626,8 +629,9 @@ def wrap_optimizer(
             every `sync_every` steps (local SGD, DiLoCo); needs a wrapper.
 
     Returns:
-        `NonFiniteLossScaleOptimizer` under loss scaling, else `NonFiniteGuard`
-        (`None` mode: tfdp's `LossScaleOptimizer` or `optimizer` itself).
+        `NonFiniteLossScaleOptimizer` under loss scaling (with `nonfinite=None`
+        too: it skips overflowing steps as Keras' loss scaling does, with no
+        limit), else `NonFiniteGuard` (`None` mode: `optimizer` itself).
 
     Raises:
         ValueError: an argument is invalid, or `all_reduce_dtype` is set with
@@ -650,9 +654,14 @@ def wrap_optimizer(
                         optimizer.compressor, optimizer.local_sync)
         return optimizer
     loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    if nonfinite is None:
-        return loss_scale.with_consistent_loss_scaling(optimizer) if loss_scaling else optimizer
-    limit = 1 if nonfinite == "raise" else max_consecutive_nonfinite
+    if nonfinite is None and not loss_scaling:
+        return optimizer
+    # Under loss scaling every mode takes the one decision path here: the
+    # scaled gradients are all-reduced, checked once summed (the same on every
+    # replica), unscaled, and then applied or skipped (halving the scale).
+    # `None` skips as Keras' loss scaling does, without a limit, and counts the
+    # skips, so `iterations + skipped_steps` stays the steps taken.
+    limit = {"raise": 1, None: NO_LIMIT}.get(nonfinite, max_consecutive_nonfinite)
     if not loss_scaling:
         return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit,
                               all_reduce_dtype=all_reduce_dtype, compressor=compressor,

@@ -81,7 +81,9 @@ class Trainer:
     `max_consecutive_nonfinite` skipped steps in a row, `train` raises
     `tfdp.training.nonfinite.NonFiniteError` naming the steps and the usual fixes.
     `"raise"` stops at the first one (never applying it); `None` applies
-    whatever the gradients are (Keras' behaviour). In every
+    whatever the gradients are (Keras' behaviour), except under
+    `mixed_float16`, where an overflowing step is skipped (halving the loss
+    scale) as Keras' loss scaling does, with no limit, and counted. In every
     mode a checkpoint whose weights are not finite is never written (`train`
     raises `NonFiniteError` instead). The decision costs no collective (see
     `tfdp.training.nonfinite`).
@@ -93,8 +95,9 @@ class Trainer:
             `Trainer.optimizer` wraps it: in `tfdp.training.nonfinite.NonFiniteGuard`
             (`nonfinite` not `None`), or under the `mixed_float16` policy in a
             `LossScaleOptimizer` whose replicas all skip a step when any
-            replica's gradients overflow (`NonFiniteLossScaleOptimizer`, or
-            `tfdp._upstream.loss_scale`'s with `nonfinite=None`).
+            replica's gradients overflow (`NonFiniteLossScaleOptimizer`, in
+            every `nonfinite` mode: it decides from the all-reduced scaled
+            gradients, then unscales them).
         loss: a Keras loss (name, function or `keras.losses.Loss`, any
             reduction but None). Its reduction, sample weights and the mask
             on the predictions are honoured as `fit` honours them, and the
@@ -244,7 +247,7 @@ class Trainer:
             )
         with strategy.scope():
             # Under mixed_float16, a LossScaleOptimizer whose replicas agree
-            # on skipping a step (tfdp._upstream.loss_scale, tfdp.training.nonfinite).
+            # on skipping a step (tfdp.training.nonfinite, every mode).
             optimizer = nonfinite_lib.wrap_optimizer(
                 optimizer, nonfinite=nonfinite,
                 max_consecutive_nonfinite=max_consecutive_nonfinite,
@@ -292,7 +295,8 @@ class Trainer:
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite loss or gradient (0 with `nonfinite=None`)."""
+        """Steps skipped for a non-finite loss or gradient (0 with `nonfinite=None`, but
+        under `mixed_float16`, where overflowing steps are skipped and counted)."""
         if self._guard is None:
             return 0
         return int(keras.ops.convert_to_numpy(self._guard.skipped_steps))
