@@ -33,6 +33,7 @@ from tfdp.distribute import strategy as strategy_lib
 from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training.batch import BatchConfig
+from tfdp.app import run_summaries
 from tfdp.app.run_config import ConfigError
 from tfdp.app.run_config import RunConfig
 from tfdp.training.trainer import Trainer
@@ -261,9 +262,23 @@ def train_and_evaluate(
             eval_logs = _floats(eval_model.evaluate(eval_data, return_dict=True, verbose=0))
         else:
             eval_logs = _floats(eval_model.evaluate(eval_data))
+    outputs = {}
+    if config.model_dir and info.is_chief:
+        if eval_logs:
+            run_summaries.write_eval_scalars(config.model_dir, steps, eval_logs)
+        outputs = {
+            "tensorboard": {name: os.path.join(config.model_dir, name)
+                            for name in (run_summaries.TRAIN_DIR, run_summaries.EVAL_DIR)
+                            if os.path.isdir(os.path.join(config.model_dir, name))},
+            "curves": run_summaries.plot_curves(config.model_dir, steps_per_epoch=steps_per_epoch),
+        }
     summary = {
         "train": _floats(train_logs),
         "eval": eval_logs,
+        # What tfdp-predict rebuilds the model from.
+        "model": {"name": config.model, "input_shape": list(spec.input_shape),
+                  "num_classes": spec.num_classes},
+        **outputs,
         "batch": {
             "per_replica": batch.per_replica, "replicas": batch.num_replicas,
             "accum_steps": batch.accum_steps, "global": batch.global_batch,
@@ -390,7 +405,17 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
                                   save_freq=config.checkpoint_every or "epoch")
         fit_input, fit_steps = backup.wrap(dataset_for_epoch, steps_per_epoch=steps_per_epoch), None
         callbacks.append(backup)
-    verbose = (1 if sys.stdout.isatty() else 2) if info.is_chief else 0
+    # On a terminal, Keras' progress bar; otherwise (under tfdp-launch) a line
+    # every --log_every steps instead of one per epoch. Scalars either way.
+    terminal = sys.stdout.isatty()
+    callbacks.append(run_summaries.FitProgress(
+        batch=batch, total_steps=total_steps, global_step=lambda: _training_steps(model.optimizer),
+        log_dir=(os.path.join(config.model_dir, run_summaries.TRAIN_DIR) if config.model_dir
+                 else None),
+        log_every=config.log_every or steps_per_execution, is_chief=info.is_chief,
+        print_fn=(lambda line: None) if terminal else (lambda line: print(line, flush=True)),
+    ))
+    verbose = 1 if info.is_chief and terminal else 0
     history = model.fit(fit_input, epochs=config.epochs, steps_per_epoch=fit_steps,
                         callbacks=callbacks, verbose=verbose)
     if config.model_dir:

@@ -103,15 +103,23 @@ def finished_run(model_dir: str) -> dict:
     return summary
 
 
-def restore_model(model_dir: str, run_config: dict, strategy, *, data_dir):
-    """The run's model with its final weights, built under `strategy.scope()`."""
+def restore_model(model_dir: str, run_config: dict, strategy, *, data_dir, model_info=None):
+    """The run's model with its final weights, built under `strategy.scope()`.
+
+    `model_info` is `summary.json`'s `model` (name, input shape, classes);
+    runs older than it are rebuilt from their training data's description.
+    """
     import keras
     import tensorflow as tf
 
     from tfdp import models
     from tfdp import pipelines
 
-    if run_config["dataset"] == user_data.TFRECORD:
+    if model_info:
+        trained_on = types.SimpleNamespace(
+            features=types.SimpleNamespace(shape=tuple(model_info["input_shape"])),
+            num_classes=model_info["num_classes"])
+    elif run_config["dataset"] == user_data.TFRECORD:
         # The run's own files and decoding; its record count is cached in model_dir.
         options = user_data.train_options(types.SimpleNamespace(**run_config),
                                           count_cache_dir=model_dir)
@@ -211,7 +219,8 @@ def run_predict() -> dict:
     dataset_name = FLAGS.dataset or run_config["dataset"]
     data_dir = FLAGS.data_dir if FLAGS.data_dir is not None else run_config.get("data_dir")
     dataset, preprocess = _dataset(dataset_name, FLAGS.split, data_dir, run_config)
-    model, checkpoint = restore_model(FLAGS.model_dir, run_config, strategy, data_dir=data_dir)
+    model, checkpoint = restore_model(FLAGS.model_dir, run_config, strategy, data_dir=data_dir,
+                                      model_info=summary.get("model"))
     try:
         result = tfdp.predict(
             model, dataset, output_dir=FLAGS.output_dir, strategy=strategy,

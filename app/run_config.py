@@ -73,7 +73,9 @@ class RunConfig:
         weights; 1: synchronous), outer_lr and outer_momentum (DiLoCo's
         Nesterov outer step at each synchronisation; `tfdp.distribute.local_sync`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
-        checkpoint_every (optimizer steps; None: at the end only).
+        checkpoint_every (optimizer steps; None: at the end only),
+        log_every (--loop=fit: optimizer steps between the chief's progress
+        lines and TensorBoard scalars; None: every steps_per_loop).
     """
 
     model: str = "cnn"
@@ -127,6 +129,7 @@ class RunConfig:
     outer_momentum: float | None = None
     model_dir: str | None = None
     checkpoint_every: int | None = None
+    log_every: int | None = None
 
     def __post_init__(self):
         if self.global_batch is None and self.per_replica_batch is None:
@@ -180,6 +183,7 @@ class RunConfig:
         _positive("accum_steps", self.accum_steps, hint=" (1: no accumulation)")
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("checkpoint_every", self.checkpoint_every, allow_none=True)
+        _positive("log_every", self.log_every, allow_none=True)
         _positive("base_batch", self.base_batch, allow_none=True)
         _positive("warmup_steps", self.warmup_steps, allow_none=True, minimum=0)
         _positive("global_batch", self.global_batch, allow_none=True)

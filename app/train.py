@@ -133,9 +133,13 @@ flags.DEFINE_enum("loss_normalization", _D.loss_normalization, run_config.LOSS_N
                   "global: the loss of the global batch as one device computes it (masks, "
                   "weights, every reduction); per_replica: each replica's mean, averaged, as "
                   "stock Keras.")
-flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard summaries and summary.json.")
+flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard summaries (train/, eval/), "
+                    "curves.png and summary.json.")
 flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N optimizer steps (and at "
                      "the end).")
+flags.DEFINE_integer("log_every", None, "--loop=fit: a progress line (when stdout is not a "
+                     "terminal) and TensorBoard scalars every N optimizer steps (default: every "
+                     "--steps_per_loop).")
 
 FLAGS = flags.FLAGS
 

@@ -62,3 +62,39 @@ def test_other_workers_neither_print_nor_write(tmp_path):
     progress.is_chief = False
     _fit(model, progress)
     assert not lines and not (tmp_path / "train").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_tfdp_train_writes_event_files_curves_and_says_where(tmp_path, loop):
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from multiworker import REPO_ROOT
+
+    model_dir = tmp_path / "run"
+    done = subprocess.run(
+        [shutil.which("tfdp-train"), "--dataset=digits", "--model=cnn", "--epochs=2",
+         f"--loop={loop}", "--log_every=10", f"--model_dir={model_dir}",
+         f"--data_dir={tmp_path / 'tfds'}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert summary["tensorboard"] == {"train": str(model_dir / "train"),
+                                      "eval": str(model_dir / "eval")}
+    assert summary["model"] == {"name": "cnn", "input_shape": [8, 8, 1], "num_classes": 10}
+    train = run_summaries.read_scalars(summary["tensorboard"]["train"])
+    assert {"loss", "accuracy", "learning_rate", "examples_per_second", "batch/global"} <= set(train)
+    assert train["loss"][-1][0] == summary["steps"] == 44
+    evaluation = run_summaries.read_scalars(summary["tensorboard"]["eval"])
+    assert evaluation["accuracy"] == [(44, pytest.approx(summary["eval"]["accuracy"]))]
+    assert open(summary["curves"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    if loop == "fit":  # stdout is a pipe here, as under tfdp-launch: step lines
+        steps = [line.split(":")[1].strip() for line in done.stdout.splitlines()
+                 if line.startswith("tfdp-train: step ")]
+        # Executions of 10 steps, 10 + 10 + 2 per epoch: a line at the first one past
+        # each multiple of 10, and at the end.
+        assert steps == ["step 10/44", "step 20/44", "step 32/44", "step 42/44", "step 44/44"]
