@@ -117,7 +117,7 @@ def test_launcher_imports_only_the_light_runtime_modules():
     # The launcher starts in well under a second: no TensorFlow, so from the
     # library only the modules that load without it.
     light = {"tfdp", "tfdp._checks", "tfdp.distribute.cluster", "tfdp.distribute.local_cluster",
-             "tfdp.distribute.slurm_env"}
+             "tfdp.distribute.slurm_env", "tfdp.distribute.visible_gpus"}
     for module, path in MODULES.items():
         if not module.startswith("tfdp.launch"):
             continue

@@ -59,11 +59,11 @@ def trained(tmp_path_factory):
 def expected(trained):
     """Single-process `model.predict` of the trained model on all digits, in order."""
     from tfdp import pipelines
-    from tfdp.app import predict as predict_app
+    from tfdp.app import run_model
 
     model_dir, data_dir = trained
     config = json.loads((model_dir / "summary.json").read_text())["config"]
-    model, _ = predict_app.restore_model(str(model_dir), config, tf.distribute.get_strategy(),
+    model, _ = run_model.restore_model(str(model_dir), config, tf.distribute.get_strategy(),
                                          data_dir=str(data_dir))
     source = pipelines.get_source("digits", split=SPLIT, data_dir=str(data_dir))
     images = source.read(SPLIT).map(pipelines.for_images(training=False)).map(lambda x, y: x)
