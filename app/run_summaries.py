@@ -127,7 +127,10 @@ def read_scalars(directory: str) -> dict[str, list[tuple[int, float]]]:
     found: dict[str, dict[int, float]] = {}
     for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*")),
                        key=os.path.getmtime):
-        for event in tf.compat.v1.train.summary_iterator(path):
+        # Event files are TFRecord files of `Event` protos (read directly:
+        # `summary_iterator` logs a deprecation warning on the chief's output).
+        for record in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(record.numpy())
             for value in event.summary.value:
                 tensor = tf.make_ndarray(value.tensor) if value.HasField("tensor") else value.simple_value
                 found.setdefault(value.tag, {})[int(event.step)] = float(tensor)
