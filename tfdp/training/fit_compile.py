@@ -108,6 +108,7 @@ def compile(  # pylint: disable=redefined-builtin
     gradient_compression=None,
     sync_every: int = 1,
     outer_optimizer=None,
+    shard_optimizer_state: bool = False,
     **compile_kwargs,
 ) -> keras.Model:
     """`model.compile` whose `fit` and `evaluate` give one device's result, under any strategy.
@@ -188,6 +189,13 @@ def compile(  # pylint: disable=redefined-builtin
             `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
             paper's). Not with
             `gradient_compression`.
+        shard_optimizer_state: with True, ZeRO-1: each replica keeps the
+            optimizer's slots (momentum, Adam's moments) for its 1/N share of
+            every weight only, updates that share after the gradient all-reduce
+            and all-gathers the updated weights
+            (`tfdp.distribute.optimizer_sharding`). Needs an element-wise
+            optimizer (not LARS, LAMB, clipnorm, use_ema) and `nonfinite` set;
+            not with `sync_every > 1`. Defaults to False.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 
     Returns:
@@ -216,7 +224,7 @@ def compile(  # pylint: disable=redefined-builtin
     all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
     local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
     nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
-                                  compressor, local_sync)
+                                  compressor, local_sync, shard_optimizer_state)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
     tfdp_steps = _check_model(model, loss_normalization, accum_steps, local_sync is not None)
@@ -242,6 +250,7 @@ def compile(  # pylint: disable=redefined-builtin
             optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
             loss_scaling=loss_scaling, all_reduce_dtype=all_reduce_dtype,
             compressor=compressor, local_sync=local_sync,
+            shard_optimizer_state=shard_optimizer_state,
         )
     model.compile(
         optimizer=optimizer,

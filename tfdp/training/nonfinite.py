@@ -54,6 +54,7 @@ import tensorflow as tf
 from tfdp.distribute import compression
 from tfdp.distribute import compressor_config
 from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.distribute import optimizer_sharding
 from tfdp.distribute import reduction
 from tfdp.distribute import replica_cond
 from tfdp._upstream import keras_optimizer_internals
@@ -74,17 +75,34 @@ class NonFiniteError(FloatingPointError):
 
 
 def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
-                    compressor=None, local_sync=None) -> None:
-    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype`, `compressor`, `local_sync`.
+                    compressor=None, local_sync=None, shard_optimizer_state=False) -> None:
+    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype`, `compressor`, `local_sync`, `shard_optimizer_state`.
 
     Raises:
-        ValueError: one is invalid; `all_reduce_dtype`, `compressor` or
-            local steps are set with `nonfinite=None` (the reduction belongs to
-            the wrappers here); or local steps come with a gradient
-            compression (there are no gradient all-reduces to compress).
+        ValueError: one is invalid; `all_reduce_dtype`, `compressor`, local
+            steps or sharded optimizer state are set with `nonfinite=None`
+            (the reduction belongs to the wrappers here); local steps come
+            with a gradient compression (there are no gradient all-reduces to
+            compress) or with sharded optimizer state (each replica steps
+            with its own full slots).
     """
     reduction.check_all_reduce_dtype(all_reduce_dtype)
     _check_compressor(compressor)
+    if not isinstance(shard_optimizer_state, bool):
+        raise ValueError("`shard_optimizer_state` must be True or False. "
+                         f"Received: shard_optimizer_state={shard_optimizer_state!r}")
+    if shard_optimizer_state and nonfinite is None:
+        raise ValueError(
+            "shard_optimizer_state=True needs tfdp's optimizer wrapper, which comes with its "
+            "non-finite step handling. Use nonfinite='skip' (the default) or 'raise'."
+        )
+    if shard_optimizer_state and local_sync is not None:
+        raise ValueError(
+            "shard_optimizer_state=True cannot be combined with local steps (sync_every > 1 "
+            "or an outer_optimizer): between synchronisations every replica updates all of "
+            "its own weights with its own slots, so there is no state to share out. Drop "
+            "one of the two."
+        )
     if local_sync is not None:
         what = ("sync_every=%d" % local_sync.sync_every
                 + ("" if local_sync.outer_optimizer is None else " with an outer_optimizer"))
@@ -161,7 +179,13 @@ class _SkipNonFinite:
     all_reduce_dtype: str | None = None
     compressor: compression.GradientCompressor | None = None
     local_sync: local_sync_lib.LocalSync | None = None
+    sharding: optimizer_sharding.OptimizerSharding | None = None
     _pending_divisor = None
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether each replica keeps the inner optimizer's state for its share only (ZeRO-1)."""
+        return self.sharding is not None
 
     @property
     def accepts_global_divisor(self) -> bool:
@@ -183,6 +207,13 @@ class _SkipNonFinite:
         """With local steps, synchronises the replicas' weights now if they differ (else nothing)."""
         if self.local_sync is not None:
             self.local_sync.sync_pending()
+
+    def _build_inner(self, var_list) -> None:
+        """Builds the inner optimizer: on the variables, or on this replica's chunks of them."""
+        if self.sharding is not None:
+            self.sharding.build(self.inner_optimizer, var_list)
+        else:
+            self.inner_optimizer.build(var_list)
 
     def _build_local_sync(self, var_list) -> None:
         if self.local_sync is not None:
@@ -282,6 +313,11 @@ class _SkipNonFinite:
 
         # A compressor's sums are of gradients it unscaled first (_compressed_sum).
         unscaled = reduced and self.compressor is not None
+        sharded = self.sharding is not None and self.sharding.active
+        if sharded:
+            # Outside the branch, so a skipped step gathers the weights unchanged.
+            self.sharding.load_weights(context)
+            grads, variables = self.sharding.shard_gradients(context, grads, variables)
 
         def apply_step(grads):
             if reduced or local:
@@ -306,6 +342,8 @@ class _SkipNonFinite:
                 )
 
             context.merge_call(cross_replica, args=(grads, proceed))
+        if sharded:
+            self.sharding.gather_weights(context)
         if local:
             self.local_sync.after_step(context)
 
@@ -396,12 +434,13 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         all_reduce_dtype: str | None = None,
         compressor: compression.GradientCompressor | None = None,
         local_sync: local_sync_lib.LocalSync | dict | None = None,
+        shard_optimizer_state: bool = False,
         **kwargs,
     ):
         compressor = compressor_config.deserialize(compressor) if isinstance(compressor, dict) else compressor
         local_sync = _local_sync_of(local_sync)
         check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype, compressor,
-                        local_sync)
+                        local_sync, shard_optimizer_state)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
@@ -415,10 +454,11 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         self.all_reduce_dtype = all_reduce_dtype
         self.compressor = compressor
         self.local_sync = local_sync
+        self.sharding = _sharding_of(shard_optimizer_state, inner_optimizer)
 
     def build(self, var_list):
         self._build_counters()
-        self.inner_optimizer.build(var_list)
+        self._build_inner(var_list)
         if self.compressor is not None:
             self.compressor.build(var_list)
         self._build_local_sync(var_list)
@@ -466,6 +506,7 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
             "all_reduce_dtype": self.all_reduce_dtype,
             "compressor": compressor_config.serialize(self.compressor),
             "local_sync": None if self.local_sync is None else self.local_sync.get_config(),
+            "shard_optimizer_state": self.sharding is not None,
         }
 
     @classmethod
@@ -508,12 +549,13 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         all_reduce_dtype: str | None = None,
         compressor: compression.GradientCompressor | None = None,
         local_sync: local_sync_lib.LocalSync | dict | None = None,
+        shard_optimizer_state: bool = False,
         **kwargs,
     ):
         compressor = compressor_config.deserialize(compressor) if isinstance(compressor, dict) else compressor
         local_sync = _local_sync_of(local_sync)
         check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype, compressor,
-                        local_sync)
+                        local_sync, shard_optimizer_state)
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
@@ -522,12 +564,16 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         self.all_reduce_dtype = all_reduce_dtype
         self.compressor = compressor
         self.local_sync = local_sync
+        self.sharding = _sharding_of(shard_optimizer_state, self.inner_optimizer)
 
     def build(self, var_list):
         self._build_counters()
         if self.compressor is not None:
             self.compressor.build(var_list)
         self._build_local_sync(var_list)
+        # Keras' LossScaleOptimizer.build builds the inner optimizer on
+        # var_list, which a Keras optimizer already built ignores.
+        self._build_inner(var_list)
         super().build(var_list)
 
     def _compression_scale(self):
@@ -565,7 +611,8 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         return {**super().get_config(), "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
                 "all_reduce_dtype": self.all_reduce_dtype,
                 "compressor": compressor_config.serialize(self.compressor),
-                "local_sync": None if self.local_sync is None else self.local_sync.get_config()}
+                "local_sync": None if self.local_sync is None else self.local_sync.get_config(),
+                "shard_optimizer_state": self.sharding is not None}
 
     @property
     def variables(self):
@@ -575,6 +622,13 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
 def _outer_variables(optimizer) -> list:
     local_sync = optimizer.local_sync
     return [] if local_sync is None else local_sync.outer_variables
+
+
+def _sharding_of(shard_optimizer_state: bool, inner_optimizer):
+    if not shard_optimizer_state:
+        return None
+    optimizer_sharding.check_optimizer(inner_optimizer)
+    return optimizer_sharding.OptimizerSharding()
 
 
 def _local_sync_of(local_sync):
@@ -605,6 +659,7 @@ def wrap_optimizer(
     all_reduce_dtype: str | None = None,
     compressor: compression.GradientCompressor | None = None,
     local_sync: local_sync_lib.LocalSync | None = None,
+    shard_optimizer_state: bool = False,
 ):
     """The optimizer to train with, for a `nonfinite` mode.
 
@@ -627,6 +682,9 @@ def wrap_optimizer(
         local_sync: a `tfdp.distribute.local_sync.LocalSync`: each replica
             steps on its own gradients and the weights are synchronised
             every `sync_every` steps (local SGD, DiLoCo); needs a wrapper.
+        shard_optimizer_state: each replica keeps the inner optimizer's
+            state for its share of the weights only
+            (`tfdp.distribute.optimizer_sharding`, ZeRO-1); needs a wrapper.
 
     Returns:
         `NonFiniteLossScaleOptimizer` under loss scaling (with `nonfinite=None`
@@ -638,7 +696,7 @@ def wrap_optimizer(
             `nonfinite=None`.
     """
     check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor,
-                    local_sync)
+                    local_sync, shard_optimizer_state)
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, _SkipNonFinite):
         if all_reduce_dtype is not None:
@@ -650,12 +708,18 @@ def wrap_optimizer(
             optimizer.compressor = compressor
         if local_sync is not None:
             optimizer.local_sync = local_sync
+        if shard_optimizer_state and optimizer.sharding is None:
+            if optimizer.built:
+                raise ValueError("Pass shard_optimizer_state before the optimizer is built.")
+            optimizer.sharding = _sharding_of(True, optimizer.inner_optimizer)
         check_arguments(nonfinite, max_consecutive_nonfinite, optimizer.all_reduce_dtype,
-                        optimizer.compressor, optimizer.local_sync)
+                        optimizer.compressor, optimizer.local_sync,
+                        optimizer.sharding is not None)
         return optimizer
     loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if nonfinite is None and not loss_scaling:
         return optimizer
+    sharded = {"shard_optimizer_state": shard_optimizer_state}
     # Under loss scaling every mode takes the one decision path here: the
     # scaled gradients are all-reduced, checked once summed (the same on every
     # replica), unscaled, and then applied or skipped (halving the scale).
@@ -665,17 +729,18 @@ def wrap_optimizer(
     if not loss_scaling:
         return NonFiniteGuard(optimizer, max_consecutive_nonfinite=limit,
                               all_reduce_dtype=all_reduce_dtype, compressor=compressor,
-                              local_sync=local_sync)
+                              local_sync=local_sync, **sharded)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return NonFiniteLossScaleOptimizer(
             optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name,
             max_consecutive_nonfinite=limit, all_reduce_dtype=all_reduce_dtype,
-            compressor=compressor, local_sync=local_sync,
+            compressor=compressor, local_sync=local_sync, **sharded,
         )
     return NonFiniteLossScaleOptimizer(
         optimizer, name="loss_scale_optimizer", max_consecutive_nonfinite=limit,
         all_reduce_dtype=all_reduce_dtype, compressor=compressor, local_sync=local_sync,
+        **sharded,
     )
 
 

@@ -9,7 +9,10 @@ replica keeps of its own:
 - with local steps (`sync_every`, `tfdp.distribute.local_sync`), the inner
   optimizer's slots (momentum, Adam's moments), which every replica updates
   with its own gradients. The weights need nothing: a checkpoint ends a
-  window, so they are synchronised when saved.
+  window, so they are synchronised when saved;
+- with sharded optimizer state (`shard_optimizer_state=True`,
+  `tfdp.distribute.optimizer_sharding`), the inner optimizer's slots: each
+  replica's hold its own chunk of every variable.
 
 At every save each worker writes its replicas' copies of these variables to
 `<directory>/replica_state/ckpt-<step>/worker-<i>-of-<n>.npz` (NumPy's
@@ -46,7 +49,9 @@ def variables_of(optimizer) -> list:
     """The variables of a tfdp optimizer wrapper that differ between replicas (may be empty)."""
     compressor = getattr(optimizer, "compressor", None)
     found = list(compressor.state) if compressor is not None else []
-    if getattr(optimizer, "local_sync", None) is not None:
+    sharding = getattr(optimizer, "sharding", None)
+    if getattr(optimizer, "local_sync", None) is not None or (
+            sharding is not None and sharding.active):
         found += list(optimizer.inner_optimizer.variables)
     return found
 
@@ -186,7 +191,7 @@ class ReplicaStateFiles:
                 f"{path} holds per-replica state for {saved_replicas} replica(s) per worker "
                 f"and {len(saved_shapes)} variable(s) of shapes {saved_shapes}; this run has "
                 f"{self._local_replicas} and {len(shapes)} of shapes {shapes}. Resume with the same devices per worker and the same "
-                f"gradient_compression / sync_every, or delete {self._root} to start that "
+                f"gradient_compression / sync_every / shard_optimizer_state, or delete {self._root} to start that "
                 f"state afresh (not exact)."
             )
         for index, variable in enumerate(variables):

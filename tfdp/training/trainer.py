@@ -155,6 +155,13 @@ class Trainer:
             DiLoCo's outer step at each synchronisation (e.g.
             `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
             paper's).
+        shard_optimizer_state: with True, ZeRO-1: each replica keeps the
+            optimizer's slots (momentum, Adam's moments) for its 1/N share of
+            every weight only, updates that share after the gradient all-reduce
+            and all-gathers the updated weights
+            (`tfdp.distribute.optimizer_sharding`). Needs an element-wise
+            optimizer (not LARS, LAMB, clipnorm, use_ema) and `nonfinite` set;
+            not with `sync_every > 1`. Defaults to False.
 
     Raises:
         ValueError: an argument is invalid, the batch does not match the
@@ -183,6 +190,7 @@ class Trainer:
         gradient_compression=None,
         sync_every: int = 1,
         outer_optimizer=None,
+        shard_optimizer_state: bool = False,
     ):
         norm_lib.check_mode(loss_normalization)
         all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
@@ -206,7 +214,7 @@ class Trainer:
         _checks.check_int("max_to_keep", max_to_keep)
         local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
         nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
-                                      compressor, local_sync)
+                                      compressor, local_sync, shard_optimizer_state)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
@@ -253,7 +261,7 @@ class Trainer:
                 max_consecutive_nonfinite=max_consecutive_nonfinite,
                 loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
                 all_reduce_dtype=all_reduce_dtype, compressor=compressor,
-                local_sync=local_sync,
+                local_sync=local_sync, shard_optimizer_state=shard_optimizer_state,
             )
             optimizer.build(model.trainable_variables)
         self.optimizer = optimizer

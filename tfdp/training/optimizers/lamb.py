@@ -91,6 +91,10 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Lamb):
         - [You et al., 2019](https://arxiv.org/abs/1904.00962)
     """
 
+    #: Its trust ratio takes norms of whole variables, so its state cannot be
+    #: split element-wise across replicas (`tfdp.distribute.optimizer_sharding`).
+    updates_whole_variables = True
+
     def __init__(
         self,
         learning_rate,

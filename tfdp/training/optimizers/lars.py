@@ -98,6 +98,10 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
         - [You et al., 2017](https://arxiv.org/abs/1708.03888)
     """
 
+    #: Its trust ratio takes norms of whole variables, so its state cannot be
+    #: split element-wise across replicas (`tfdp.distribute.optimizer_sharding`).
+    updates_whole_variables = True
+
     def __init__(
         self,
         learning_rate,

@@ -1,0 +1,217 @@
+"""ZeRO-1 (`shard_optimizer_state=True`) against unsharded training.
+
+A small MLP whose variables' sizes (35, 7, 7, 1) divide by neither 2 nor 4
+is trained on logical CPU replicas through `tfdp.compile` + `fit` and
+through `tfdp.Trainer`, once with the optimizer state sharded and once
+without; the weights, and the optimizer state gathered from the replicas'
+chunks, must agree to 1e-5. Each replica must hold ceil(size / N) elements
+of every slot, and the chunks of all replicas must tile the unsharded state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training.batch import BatchConfig
+
+FEATURES = 5
+HIDDEN = 7
+GLOBAL_BATCH = 16
+STEPS = 6
+TOLERANCE = 1e-5
+
+_rng = np.random.default_rng(11)
+X = _rng.normal(size=(GLOBAL_BATCH * STEPS, FEATURES)).astype("float32")
+Y = (np.tanh(X @ _rng.normal(size=(FEATURES, 1))) + 0.1).astype("float32")
+INITIAL = [
+    _rng.normal(size=(FEATURES, HIDDEN)).astype("float32") * 0.5,
+    _rng.normal(size=(HIDDEN,)).astype("float32") * 0.1,
+    _rng.normal(size=(HIDDEN, 1)).astype("float32") * 0.5,
+    np.zeros(1, "float32"),
+]
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+}
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    return {n: tfdp.make_strategy(cpu_replicas=n) for n in (2, 4)}
+
+
+def dataset():
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH, drop_remainder=True)
+
+
+def mlp():
+    model = keras.Sequential([
+        keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
+    model.set_weights(INITIAL)
+    return model
+
+
+def fit(strategy, optimizer, sharded, accum_steps=1, **compile_kwargs):
+    with strategy.scope():
+        model = mlp()
+        tfdp.compile(model, optimizer=OPTIMIZERS[optimizer](), loss="mse",
+                     accum_steps=accum_steps, shard_optimizer_state=sharded, **compile_kwargs)
+    model.fit(dataset(), epochs=1, verbose=0)
+    return model
+
+
+def replica_values(strategy, variable):
+    return [c.numpy() for c in strategy.experimental_local_results(
+        getattr(variable, "value", variable))]
+
+
+def assert_same_state(strategy, sharded_model, plain_model):
+    for sharded, plain in zip(sharded_model.get_weights(), plain_model.get_weights()):
+        np.testing.assert_allclose(sharded, plain, atol=TOLERANCE, rtol=0)
+    # Every replica holds the same full weights after the all-gather.
+    for variable in sharded_model.trainable_variables:
+        copies = replica_values(strategy, variable)
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])
+    sharded_vars = sharded_model.optimizer.inner_optimizer.variables
+    plain_vars = plain_model.optimizer.inner_optimizer.variables
+    assert len(sharded_vars) == len(plain_vars)
+    for sharded, plain in zip(sharded_vars, plain_vars):
+        expected = replica_values(strategy, plain)[0]
+        copies = replica_values(strategy, sharded)
+        if np.ndim(expected) == 0:
+            np.testing.assert_allclose(copies[0], expected, atol=TOLERANCE)
+            continue
+        size = expected.size
+        assert all(c.shape == (math.ceil(size / strategy.num_replicas_in_sync),) for c in copies)
+        full = np.concatenate(copies)[:size].reshape(expected.shape)
+        np.testing.assert_allclose(full, expected, atol=TOLERANCE, rtol=0)
+        # The padding past the variable's end stays zero.
+        np.testing.assert_array_equal(np.concatenate(copies)[size:], 0)
+
+
+@pytest.mark.parametrize("replicas, optimizer", [
+    (2, "sgd_momentum"), (2, "adam"), (2, "adamw"), (4, "adam"),
+])
+def test_fit_equals_unsharded_training(strategies, replicas, optimizer):
+    strategy = strategies[replicas]
+    sharded = fit(strategy, optimizer, True)
+    plain = fit(strategy, optimizer, False)
+    assert sharded.optimizer.iterations.numpy() == STEPS
+    assert_same_state(strategy, sharded, plain)
+
+
+@pytest.mark.parametrize("option", [
+    lambda: {"accum_steps": 2},
+    lambda: {"gradient_compression": tfdp.compression.PowerSGD(rank=1, min_compression_ratio=1)},
+    lambda: {"nonfinite": "raise"},
+], ids=["accumulation", "powersgd", "raise"])
+def test_composes_with_accumulation_compression_and_the_guard(strategies, option):
+    strategy = strategies[2]
+    sharded = fit(strategy, "adam", True, **option())
+    plain = fit(strategy, "adam", False, **option())
+    assert_same_state(strategy, sharded, plain)
+
+
+def test_mixed_precision_equals_unsharded_training(strategies):
+    strategy = strategies[2]
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        sharded = fit(strategy, "adam", True)
+        plain = fit(strategy, "adam", False)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert type(sharded.optimizer).__name__ == "NonFiniteLossScaleOptimizer"
+    assert_same_state(strategy, sharded, plain)
+
+
+def train(strategy, sharded, model_dir=None, steps=STEPS):
+    with strategy.scope():
+        model = mlp()
+        optimizer = keras.optimizers.Adam(0.01)
+    trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategy,
+                           batch=BatchConfig.from_global(GLOBAL_BATCH, 2), model_dir=model_dir,
+                           checkpoint_every=3, shard_optimizer_state=sharded)
+    trainer.train(dataset(), steps=steps)
+    model.optimizer = trainer.optimizer
+    return model
+
+
+def test_trainer_equals_unsharded_training_and_resumes_exactly(strategies, tmp_path):
+    """Stopped at step 3 and resumed, the sharded run ends as the unsharded one."""
+    strategy = strategies[2]
+    train(strategy, True, model_dir=str(tmp_path / "run"), steps=3)
+    # Each replica's chunks of the slots are saved beside the checkpoint.
+    assert (tmp_path / "run" / "replica_state" / "ckpt-3" / "worker-0-of-1.npz").exists()
+    resumed = train(strategy, True, model_dir=str(tmp_path / "run"))
+    assert int(resumed.optimizer.iterations.numpy()) == STEPS
+    plain = train(strategy, False)
+    assert_same_state(strategy, resumed, plain)
+
+
+def test_each_replica_holds_its_share(strategies):
+    strategy = strategies[4]
+    model = fit(strategy, "adam", True)
+    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]  # 35, 7, 7, 1
+    sharding = model.optimizer.sharding
+    assert sharding.active and sharding.num_shards == 4
+    assert sharding.shard_elements == sum(math.ceil(s / 4) for s in sizes)
+    slots = [v for v in model.optimizer.inner_optimizer.variables if v.shape.rank]
+    assert len(slots) == 2 * len(sizes)  # Adam's m and v
+    per_replica = sum(int(np.prod(v.shape)) for v in slots)
+    assert per_replica == 2 * sum(math.ceil(s / 4) for s in sizes)
+    # Over all replicas the chunks cover the unsharded state, plus padding only.
+    assert 4 * per_replica - 2 * sum(sizes) == 2 * sum(4 * math.ceil(s / 4) - s for s in sizes)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: tfdp.optimizers.LAMB(0.01), "LAMB"),
+    (lambda: tfdp.optimizers.LARS(0.01), "LARS"),
+    (lambda: keras.optimizers.Adam(0.01, clipnorm=1.0), "clipnorm"),
+    (lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0), "global_clipnorm"),
+    (lambda: keras.optimizers.Adam(0.01, use_ema=True), "use_ema"),
+])
+def test_optimizers_that_need_whole_variables_are_refused(strategies, make, message):
+    with strategies[2].scope():
+        model = mlp()
+        with pytest.raises(ValueError, match=message):
+            tfdp.compile(model, optimizer=make(), loss="mse", shard_optimizer_state=True)
+
+
+def test_refused_with_local_steps_and_without_the_wrapper(strategies):
+    with strategies[2].scope():
+        model = mlp()
+        with pytest.raises(ValueError, match="local steps"):
+            tfdp.compile(model, optimizer="sgd", loss="mse", sync_every=2,
+                         shard_optimizer_state=True)
+        with pytest.raises(ValueError, match="nonfinite='skip'"):
+            tfdp.compile(model, optimizer="sgd", loss="mse", nonfinite=None,
+                         shard_optimizer_state=True)
+
+
+def test_one_replica_shards_nothing():
+    model = mlp()
+    tfdp.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                 shard_optimizer_state=True)
+    model.fit(dataset(), epochs=1, verbose=0)
+    assert not model.optimizer.sharding.active
+    slots = [tuple(v.shape) for v in model.optimizer.inner_optimizer.variables if v.shape.rank]
+    assert sorted(slots) == sorted(2 * [tuple(v.shape) for v in model.trainable_variables])
+
+
+def test_config_round_trip():
+    optimizer = nonfinite_lib.wrap_optimizer(keras.optimizers.Adam(0.01), nonfinite="skip",
+                                             shard_optimizer_state=True)
+    again = type(optimizer).from_config(optimizer.get_config())
+    assert again.shards_optimizer_state

@@ -1,0 +1,206 @@
+"""ZeRO-1: each replica keeps the optimizer state of its own share of every weight.
+
+Data parallelism keeps a full copy of the optimizer's slots (momentum, Adam's
+two moments: 1 to 2 times the model's size) on every replica. With
+`shard_optimizer_state=True` (Rajbhandari et al. 2020, "ZeRO", stage 1)
+each of the N replicas keeps them for 1/N of the parameters only:
+
+- **layout**: every trainable variable is flattened, padded with zeros to a
+  multiple of N, and cut into N equal chunks of ``S = ceil(size / N)``
+  elements; replica r owns chunk r of every variable. Each variable is split
+  on its own (not one flat buffer over all of them), so a replica's share is
+  within one element per variable of the even 1/N, every slot of the
+  unsharded optimizer has exactly one sharded counterpart, and the chunks of
+  a variable keep its name (weight-decay exclusions by name still apply).
+- **a step**: the gradients are all-reduced as without sharding (same
+  collective, same compression); each replica copies its chunk of every
+  weight into a *shard variable* of shape ``[S]``, lets the wrapped Keras
+  optimizer update the shard variables with its own update rule and its
+  sharded slots, and the replicas then all-gather the updated chunks (one
+  collective per dtype, float32, exact) so that every replica holds the full
+  weights again.
+- **what it costs**: TensorFlow has no reduce-scatter on CPU (only NCCL has
+  one), so each replica receives the whole summed gradient, uses 1/N of it,
+  and then receives the other replicas' updated chunks: per step the bytes on
+  the wire are those of the all-reduce plus an all-gather of the weights,
+  ``(N - 1) / N * 4 * P`` bytes per replica for P float32 parameters, about
+  1.5x the all-reduce alone. Memory per replica: the slots of P/N parameters
+  plus the P/N shard variables, instead of the slots of P.
+
+An optimizer qualifies when its update of one element depends only on that
+element (SGD, momentum, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad,
+Adadelta, Ftrl, Lion). An update that needs a whole variable (a norm, as in
+LAMB and LARS, or a row/column factorisation, as in Adafactor and Muon), or
+all of them (`global_clipnorm`, `clipnorm`), or Keras' moving averages
+(`use_ema`), is refused with the reason and the way out.
+
+The slots of each replica differ, so they are per-replica state
+(`tfdp.training.replica_state`): every worker writes its replicas' chunks
+beside each checkpoint, and a resume loads them back. This module owns the
+layout, the shard variables and the gather; `tfdp.training.nonfinite`'s
+wrappers call it around the inner optimizer's `apply`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+#: Keras optimizers whose update is per element: safe to shard.
+_PER_ELEMENT = tuple(
+    getattr(keras.optimizers, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
+                 "Adadelta", "Ftrl", "Lion")
+    if hasattr(keras.optimizers, name)
+)
+#: Keras optimizers whose update needs a whole variable or more.
+_WHOLE_VARIABLE = tuple(
+    getattr(keras.optimizers, name)
+    for name in ("Lamb", "Adafactor", "Muon")
+    if hasattr(keras.optimizers, name)
+)
+
+
+def check_optimizer(optimizer) -> None:
+    """Raises ValueError when `optimizer`'s update cannot be split element-wise across replicas."""
+    name = type(optimizer).__name__
+    # tfdp.optimizers.LARS and LAMB say so themselves (this layer does not import them).
+    if (isinstance(optimizer, _WHOLE_VARIABLE)
+            or getattr(optimizer, "updates_whole_variables", False)):
+        raise ValueError(
+            f"shard_optimizer_state=True cannot shard {name}: its update of a variable "
+            "needs that whole variable (a norm or a factorisation), which no replica holds "
+            "the slots of. Train without shard_optimizer_state, or with an element-wise "
+            "optimizer (SGD, Adam, AdamW, ...)."
+        )
+    for option in ("clipnorm", "global_clipnorm"):
+        if getattr(optimizer, option, None):
+            raise ValueError(
+                f"shard_optimizer_state=True cannot apply {name}'s {option}: the norm would be "
+                "taken over each replica's share of the gradients only. Drop "
+                f"{option}, use clipvalue (per element), or train without "
+                "shard_optimizer_state."
+            )
+    if getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            f"shard_optimizer_state=True cannot keep {name}'s moving averages (use_ema): "
+            "Keras keeps them per whole variable and overwrites the weights with them. "
+            "Drop use_ema or shard_optimizer_state."
+        )
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "shard_optimizer_state=True cannot shard Keras' own gradient accumulation; "
+            "accumulate with tfdp (accum_steps) instead."
+        )
+
+
+def is_known_per_element(optimizer) -> bool:
+    """Whether `optimizer` is a Keras optimizer known to update element by element."""
+    return isinstance(optimizer, _PER_ELEMENT)
+
+
+def shard_size(num_elements: int, num_shards: int) -> int:
+    """Elements of one replica's chunk of a variable of `num_elements` elements."""
+    return max(1, math.ceil(num_elements / num_shards))
+
+
+class OptimizerSharding:
+    """The chunks of every trainable variable that the replicas' optimizer states cover.
+
+    Build it inside the strategy's scope (the wrapper's `build` does). With a
+    single replica nothing is sharded: the inner optimizer is built on the
+    variables themselves (`active` is False).
+    """
+
+    def __init__(self):
+        self.num_shards = None
+        self.active = False
+        self.shards: list = []
+        self._variables: list = []
+        self._index: dict = {}
+
+    def __repr__(self) -> str:
+        return f"OptimizerSharding(num_shards={self.num_shards})"
+
+    def build(self, inner_optimizer: keras.optimizers.Optimizer, variables: Sequence) -> None:
+        """Creates one shard variable per variable and builds `inner_optimizer` on them."""
+        check_optimizer(inner_optimizer)
+        self._variables = list(variables)
+        self.num_shards = tf.distribute.get_strategy().num_replicas_in_sync
+        self.active = self.num_shards > 1
+        if not self.active:
+            inner_optimizer.build(self._variables)
+            return
+        self._index = {id(v): i for i, v in enumerate(self._variables)}
+        self.shards = [self._shard_variable(v) for v in self._variables]
+        inner_optimizer.build(self.shards)
+
+    def _shard_variable(self, variable):
+        size = shard_size(_num_elements(variable), self.num_shards)
+        *scopes, name = (getattr(variable, "path", None) or variable.name).split("/")
+        # Not trainable, not tracked by any layer: a scratch copy of this
+        # replica's chunk of `variable` (its value is taken from the weights at
+        # every step), with the variable's path, so that exclusions by name
+        # or path hold. aggregation="none": each replica's component holds its
+        # own chunk.
+        with contextlib.ExitStack() as stack:
+            for scope in scopes:
+                stack.enter_context(keras.name_scope(scope))
+            return keras.Variable(tf.zeros([size], variable.dtype), trainable=False, name=name,
+                                  aggregation="none")
+
+    @property
+    def shard_elements(self) -> int:
+        """Elements of the chunks one replica covers (per slot kind), summed over variables."""
+        return sum(int(s.shape[0]) for s in self.shards)
+
+    def _chunk(self, context, tensor, variable):
+        size = int(self.shards[self._index[id(variable)]].shape[0])
+        flat = tf.reshape(tensor, [-1])
+        padding = size * self.num_shards - _num_elements(variable)
+        if padding:
+            flat = tf.pad(flat, [[0, padding]])
+        return tf.reshape(flat, [self.num_shards, size])[context.replica_id_in_sync_group]
+
+    def load_weights(self, context: tf.distribute.ReplicaContext) -> None:
+        """Copies this replica's chunk of every weight into its shard variable (replica context)."""
+        for variable, shard in zip(self._variables, self.shards):
+            shard.assign(self._chunk(context, tf.identity(variable), variable))
+
+    def shard_gradients(self, context, gradients, variables):
+        """`(this replica's chunks of gradients, their shard variables)`, in the same order."""
+        chunks, shards = [], []
+        for gradient, variable in zip(gradients, variables):
+            if isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.convert_to_tensor(gradient)
+            chunks.append(self._chunk(context, gradient, variable))
+            shards.append(self.shards[self._index[id(variable)]])
+        return chunks, shards
+
+    def gather_weights(self, context: tf.distribute.ReplicaContext) -> None:
+        """All-gathers the updated chunks; every replica assigns the full weights (replica context).
+
+        One all-gather per dtype: the chunks of all variables of that dtype are
+        concatenated, gathered into ``[N, sum S]`` and cut back per variable.
+        """
+        by_dtype: dict = {}
+        for index, shard in enumerate(self.shards):
+            by_dtype.setdefault(shard.dtype, []).append(index)
+        for indices in by_dtype.values():
+            # tf.identity: under MultiWorkerMirroredStrategy a converted
+            # variable has no device, which collectives refuse.
+            local = tf.concat([tf.identity(self.shards[i]) for i in indices], axis=0)
+            gathered = tf.reshape(context.all_gather(local, axis=0), [self.num_shards, -1])
+            sizes = [int(self.shards[i].shape[0]) for i in indices]
+            for i, columns in zip(indices, tf.split(gathered, sizes, axis=1)):
+                variable = self._variables[i]
+                full = tf.reshape(columns, [-1])[: _num_elements(variable)]
+                variable.assign(tf.reshape(full, variable.shape))
+
+
+def _num_elements(variable) -> int:
+    return int(math.prod(variable.shape))
