@@ -134,6 +134,18 @@ def check_rate(model: str, name: str, value) -> float:
     return float(value)
 
 
+def check_bool(model: str, name: str, value) -> bool:
+    """Validates an on/off option (`remat`, `sync_bn`): True or False.
+
+    Raises:
+        ValueError: `value` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` of model {model!r} must be True or False. "
+                         f"Received: {name}={value!r}")
+    return value
+
+
 def logits(x, num_classes: int):
     """The classification head: `Dense(num_classes)` computed in float32.
 

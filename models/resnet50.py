@@ -4,7 +4,9 @@ This module owns the `resnet50` builder: `keras.applications.ResNet50` with
 `weights=None` (nothing is downloaded), without its top, average-pooled, and
 the float32 logits head in place of Keras' softmax classifier (whose dtype
 would follow the mixed precision policy). The bottleneck architecture is
-Keras'; this module only checks the input size and attaches the head.
+Keras'; this module only checks the input size, attaches the head, and
+switches on synchronized batch normalisation or per-block recomputation of
+Keras' 16 bottleneck blocks (`conv2_block1` ... `conv5_block3`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import remat as remat_lib
 
 NAME = "resnet50"
 #: Smallest height and width keras.applications.ResNet50 accepts (5 stride-2 stages).
@@ -22,7 +25,8 @@ MIN_SIZE = 32
 
 
 @registry.register(NAME)
-def resnet50(*, input_shape: Sequence[int], num_classes: int) -> keras.Model:
+def resnet50(*, input_shape: Sequence[int], num_classes: int, remat: bool = False,
+             sync_bn: bool = False) -> keras.Model:
     """Builds ResNet-50 (He et al., 2016) with random weights.
 
     Args:
@@ -30,6 +34,13 @@ def resnet50(*, input_shape: Sequence[int], num_classes: int) -> keras.Model:
             32, e.g. `(224, 224, 3)` for ImageNet. Pixels are expected as
             floats (scaled or standardised by the input pipeline).
         num_classes: logit width (>= 2).
+        remat: recompute each bottleneck block's activations in the backward
+            pass instead of keeping them (`tfdp.models.remat`): less memory
+            for about one more forward pass per step; same gradients.
+            Defaults to False.
+        sync_bn: batch normalisation statistics over the global batch
+            (`BatchNormalization(synchronized=True)`) instead of each
+            replica's share. Defaults to False.
 
     Returns:
         A `keras.Model` (about 23.5M parameters plus 2049 x `num_classes`)
@@ -52,10 +63,21 @@ def resnet50(*, input_shape: Sequence[int], num_classes: int) -> keras.Model:
             f"'cnn' for small images."
         )
     num_classes = common.check_num_classes(NAME, num_classes)
+    common.check_bool(NAME, "remat", remat)
+    common.check_bool(NAME, "sync_bn", sync_bn)
 
     inputs = keras.Input(input_shape, name="images")
     backbone = keras.applications.ResNet50(
         include_top=False, weights=None, input_shape=input_shape, pooling="avg"
     )
+    if sync_bn:  # Read at call time; also what the layers' configs say.
+        for layer in backbone.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = True
+    if remat:
+        ends = [f"conv{stage}_block{block}_out"
+                for stage, blocks in ((2, 3), (3, 4), (4, 6), (5, 3))
+                for block in range(1, blocks + 1)]
+        backbone = remat_lib.rematerialize_blocks(backbone, start="pool1_pool", ends=ends)
     x = backbone(inputs)
     return keras.Model(inputs, common.logits(x, num_classes), name=NAME)

@@ -23,6 +23,7 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import remat as remat_lib
 
 #: Filters of the three stages.
 STAGE_FILTERS = (16, 32, 64)
@@ -30,22 +31,26 @@ STAGE_FILTERS = (16, 32, 64)
 DEPTHS = (20, 32, 56)
 
 
-def _conv_bn(x, filters: int, *, strides: int, kernel_size: int, momentum: float, name: str):
+def _conv_bn(x, filters: int, *, strides: int, kernel_size: int, momentum: float, name: str,
+             sync_bn: bool):
     x = keras.layers.Conv2D(
         filters, kernel_size, strides=strides, padding="same", use_bias=False,
         kernel_initializer="he_normal", name=f"{name}_conv",
     )(x)
-    return keras.layers.BatchNormalization(momentum=momentum, epsilon=1e-5, name=f"{name}_bn")(x)
+    return keras.layers.BatchNormalization(momentum=momentum, epsilon=1e-5, synchronized=sync_bn,
+                                           name=f"{name}_bn")(x)
 
 
-def _basic_block(x, filters: int, *, strides: int, momentum: float, name: str):
+def _basic_block(x, filters: int, *, strides: int, momentum: float, name: str, sync_bn: bool):
     shortcut = x
     if strides != 1 or x.shape[-1] != filters:
         shortcut = _conv_bn(x, filters, strides=strides, kernel_size=1, momentum=momentum,
-                            name=f"{name}_shortcut")
-    y = _conv_bn(x, filters, strides=strides, kernel_size=3, momentum=momentum, name=f"{name}_1")
+                            name=f"{name}_shortcut", sync_bn=sync_bn)
+    y = _conv_bn(x, filters, strides=strides, kernel_size=3, momentum=momentum, name=f"{name}_1",
+                 sync_bn=sync_bn)
     y = keras.layers.ReLU(name=f"{name}_1_relu")(y)
-    y = _conv_bn(y, filters, strides=1, kernel_size=3, momentum=momentum, name=f"{name}_2")
+    y = _conv_bn(y, filters, strides=1, kernel_size=3, momentum=momentum, name=f"{name}_2",
+                 sync_bn=sync_bn)
     y = keras.layers.Add(name=f"{name}_add")([shortcut, y])
     return keras.layers.ReLU(name=f"{name}_out")(y)
 
@@ -72,6 +77,8 @@ def resnet_cifar(
     input_shape: Sequence[int],
     num_classes: int,
     batch_norm_momentum: float = 0.9,
+    remat: bool = False,
+    sync_bn: bool = False,
 ) -> keras.Model:
     """Builds a CIFAR ResNet v1 of any depth 6n + 2.
 
@@ -84,6 +91,14 @@ def resnet_cifar(
         num_classes: logit width (>= 2).
         batch_norm_momentum: momentum of the moving mean/variance of every
             batch normalisation, in [0, 1). Defaults to 0.9.
+        remat: recompute each residual block's activations in the backward
+            pass instead of keeping them (`tfdp.models.remat`): less memory
+            for about one more forward pass per step; same gradients.
+            Defaults to False.
+        sync_bn: batch normalisation statistics over the global batch
+            (`BatchNormalization(synchronized=True)`: one all-reduce per layer
+            per micro-batch under `tf.distribute`), instead of each replica's
+            share. Defaults to False.
 
     Returns:
         A `keras.Model` named `resnet{depth}` from float32 images to float32
@@ -101,25 +116,35 @@ def resnet_cifar(
     )
     num_classes = common.check_num_classes(name, num_classes)
     momentum = common.check_rate(name, "batch_norm_momentum", batch_norm_momentum)
+    common.check_bool(name, "remat", remat)
+    common.check_bool(name, "sync_bn", sync_bn)
 
     inputs = keras.Input(input_shape, name="images")
     x = _conv_bn(inputs, STAGE_FILTERS[0], strides=1, kernel_size=3, momentum=momentum,
-                 name="stem")
+                 name="stem", sync_bn=sync_bn)
     x = keras.layers.ReLU(name="stem_relu")(x)
+    ends = []
     for stage, filters in enumerate(STAGE_FILTERS):
         for block in range(blocks):
             strides = 2 if stage > 0 and block == 0 else 1
-            x = _basic_block(x, filters, strides=strides, momentum=momentum,
-                             name=f"stage{stage + 1}_block{block + 1}")
+            block_name = f"stage{stage + 1}_block{block + 1}"
+            x = _basic_block(x, filters, strides=strides, momentum=momentum, name=block_name,
+                             sync_bn=sync_bn)
+            ends.append(f"{block_name}_out")
     x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
-    return keras.Model(inputs, common.logits(x, num_classes), name=name)
+    model = keras.Model(inputs, common.logits(x, num_classes), name=name)
+    if remat:
+        model = remat_lib.rematerialize_blocks(model, start="stem_relu", ends=ends)
+    return model
 
 
 def _register(depth: int) -> None:
     def build(*, input_shape: Sequence[int], num_classes: int,
-              batch_norm_momentum: float = 0.9) -> keras.Model:
+              batch_norm_momentum: float = 0.9, remat: bool = False,
+              sync_bn: bool = False) -> keras.Model:
         return resnet_cifar(depth=depth, input_shape=input_shape, num_classes=num_classes,
-                            batch_norm_momentum=batch_norm_momentum)
+                            batch_norm_momentum=batch_norm_momentum, remat=remat,
+                            sync_bn=sync_bn)
 
     build.__name__ = build.__qualname__ = f"resnet{depth}"
     build.__doc__ = (

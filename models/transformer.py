@@ -13,12 +13,14 @@ mask keeps padding out of the attention keys and the mean.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import remat as remat_lib
 
 NAME = "transformer"
 
@@ -113,6 +115,7 @@ def transformer(
     intermediate: int | None = None,
     dropout: float = 0.1,
     norm_first: bool = True,
+    remat: bool = False,
 ) -> keras.Model:
     """Builds the Transformer encoder classifier.
 
@@ -132,6 +135,10 @@ def transformer(
         norm_first: layer normalisation before each branch (pre-LN, stable
             without warmup) or after each residual sum (post-LN, BERT).
             Defaults to True.
+        remat: recompute each encoder block's activations in the backward
+            pass instead of keeping them (`tfdp.models.remat`): less memory
+            for about one more forward pass per step; same gradients.
+            Defaults to False.
 
     Returns:
         A `keras.Model` from int32 token ids `(batch, sequence_length)` to
@@ -157,6 +164,7 @@ def transformer(
     if not isinstance(norm_first, bool):
         raise ValueError(f"`norm_first` of model {NAME!r} must be True (pre-LN) or False "
                          f"(post-LN). Received: norm_first={norm_first!r}")
+    common.check_bool(NAME, "remat", remat)
     if hidden % num_heads:
         raise ValueError(
             f"`num_heads` of model {NAME!r} must divide `hidden` (each head has "
@@ -177,8 +185,10 @@ def transformer(
     if dropout:
         x = keras.layers.Dropout(dropout, name="embedding_dropout")(x)
     for i in range(num_layers):
-        x = _encoder_block(x, num_heads=num_heads, hidden=hidden, intermediate=intermediate,
-                           dropout=dropout, norm_first=norm_first, name=f"encoder_{i}")
+        block = functools.partial(
+            _encoder_block, num_heads=num_heads, hidden=hidden, intermediate=intermediate,
+            dropout=dropout, norm_first=norm_first, name=f"encoder_{i}")
+        x = remat_lib.remat_block(block, x, name=f"encoder_{i}") if remat else block(x)
     if norm_first:
         x = keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
