@@ -82,9 +82,19 @@ given. Each task is one tfdp worker; tfdp.make_strategy() finds the cluster in
 srun's SLURM_* variables (no TF_CONFIG). Ports: TFDP_SLURM_PORT_BASE, else
 srun --resv-ports, else derived from the job id.
 
+Preemption: with --signal TERM@S Slurm sends SIGTERM to the workers S
+seconds before the time limit (so does `scancel --signal=TERM JOB`); they
+save and exit 42, and with --requeue the script then runs `scontrol requeue`,
+so the job runs again and resumes from its --model_dir. Slurm holds a
+requeued job about two minutes before starting it. Do not signal srun itself
+(`scancel --full`, `B:`): it then kills the workers at once, without a save.
+
 Example:
   tfdp-launch slurm --nodes 2 --ntasks_per_node 1 --gpus_per_node 4 \\
       --time 02:00:00 -- python train.py > job.sbatch && sbatch job.sbatch
+  tfdp-launch slurm --nodes 2 --ntasks_per_node 4 --gpus_per_node 4 \\
+      --time 04:00:00 --signal TERM@300 --requeue --output logs/%x-%j.out \\
+      --setup 'source venv/bin/activate' --submit -- tfdp-train --model_dir runs/a
 """
 
 _K8S_EPILOG = """\
@@ -225,8 +235,10 @@ def _main_slurm(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="tfdp-launch slurm",
-        usage=("%(prog)s --nodes M --ntasks_per_node N [--partition P] [--time T]\n"
-               "       [--gpus_per_node G] [--job_name J] [--submit] -- COMMAND [ARGS ...]"),
+        usage=("%(prog)s --nodes M --ntasks_per_node N [--partition P] [--account A]\n"
+               "       [--time T] [--gpus_per_node G] [--cpus_per_task C] [--mem M]\n"
+               "       [--job_name J] [--output PATTERN] [--signal TERM@S] [--requeue]\n"
+               "       [--setup LINE] [--submit] -- COMMAND [ARGS ...]"),
         description="Write (or submit) a Slurm batch script running COMMAND as a tfdp job.",
         epilog=_SLURM_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -242,6 +254,24 @@ def _main_slurm(argv: Sequence[str]) -> int:
                         help="GPUs per node (default: 0)")
     parser.add_argument("--job_name", default="tfdp", metavar="J",
                         help="job name (default: tfdp)")
+    parser.add_argument("--account", default=None, metavar="A",
+                        help="account to charge (default: your default account)")
+    parser.add_argument("--cpus_per_task", type=int, default=None, metavar="C",
+                        help="CPUs per task (also given to srun)")
+    parser.add_argument("--mem", default=None, metavar="M",
+                        help="memory per node, e.g. 32G (M is megabytes, the default unit)")
+    parser.add_argument("--output", default=None, metavar="PATTERN",
+                        help="the job's output file, e.g. logs/%%x-%%j.out (default: Slurm's "
+                             "slurm-%%j.out in the submission directory)")
+    parser.add_argument("--signal", default=None, metavar="TERM@S",
+                        help="SIGTERM the workers S seconds before the time limit, so that "
+                             "they save and exit 42 (sbatch --signal; 'R:' allowed, 'B:' not)")
+    parser.add_argument("--requeue", action="store_true",
+                        help="when the workers exit 42 (saved after SIGTERM), requeue the job "
+                             "with scontrol requeue; the rerun resumes from the saved state")
+    parser.add_argument("--setup", default=None, metavar="LINE",
+                        help="a shell line run before srun, e.g. 'source venv/bin/activate' or "
+                             "'module load cuda'")
     parser.add_argument("--submit", action="store_true",
                         help="submit the script with sbatch instead of printing it")
     args, command = _split_command(
@@ -249,7 +279,10 @@ def _main_slurm(argv: Sequence[str]) -> int:
     try:
         job = sbatch.plan_job(command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                              partition=args.partition, time=args.time,
-                             gpus_per_node=args.gpus_per_node, job_name=args.job_name)
+                             gpus_per_node=args.gpus_per_node, job_name=args.job_name,
+                             account=args.account, cpus_per_task=args.cpus_per_task,
+                             mem=args.mem, output=args.output, signal=args.signal,
+                             requeue=args.requeue, setup=args.setup)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     script = sbatch.batch_script(job)

@@ -123,3 +123,127 @@ def test_submit_without_sbatch_says_so(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "`--submit` needs Slurm's `sbatch` on PATH" in err
     assert "leave out --submit and save the script" in err
+
+
+def test_gpus_per_task_comes_with_ntasks():
+    # Current Slurm rejects --gpus-per-task without a task count.
+    options, _, _ = _parse(sbatch.batch_script(sbatch.plan_job(
+        ["python", "t.py"], nodes=2, ntasks_per_node=4, gpus_per_node=8)))
+    assert options["--ntasks"] == "8" and options["--gpus-per-task"] == "2"
+    options, _, _ = _parse(sbatch.batch_script(sbatch.plan_job(
+        ["python", "t.py"], nodes=2, ntasks_per_node=1, gpus_per_node=8)))
+    assert "--ntasks" not in options and options["--gpus-per-node"] == "8"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--cpus_per_task", "4"], {"--cpus-per-task": "4"}),
+    (["--mem", "32g"], {"--mem": "32G"}),
+    (["--mem", "64000"], {"--mem": "64000"}),
+    (["--account", "proj_01"], {"--account": "proj_01"}),
+    (["--partition", "gpu,gpu-long"], {"--partition": "gpu,gpu-long"}),
+    (["--output", "logs/%x-%j.out"], {"--output": "logs/%x-%j.out"}),
+    (["--signal", "TERM@120"], {"--signal": "TERM@120"}),
+    (["--signal", "R:SIGTERM@90", "--time", "10"], {"--signal": "R:TERM@90", "--time": "10"}),
+    (["--signal", "15"], {"--signal": "TERM"}),
+    (["--requeue"], {"--requeue": "", "--open-mode": "append"}),
+])
+def test_cli_writes_each_new_option(argv, expected, capsys):
+    assert launch_main.main(["slurm", "--nodes", "1", "--ntasks_per_node", "2", *argv,
+                             "--", "python", "train.py"]) == 0
+    options, _, _ = _parse(capsys.readouterr().out)
+    base = {"--job-name": "tfdp", "--nodes": "1", "--ntasks-per-node": "2"}
+    assert options == {**base, **expected}
+
+
+def test_cpus_per_task_is_given_to_srun_too():
+    # srun does not inherit sbatch's --cpus-per-task on Slurm 22.05-23.02.
+    _, srun, _ = _parse(sbatch.batch_script(sbatch.plan_job(
+        ["python", "t.py"], nodes=1, ntasks_per_node=2, cpus_per_task=3)))
+    assert srun[:4] == ["srun", "--distribution=block", "--kill-on-bad-exit=1",
+                        "--cpus-per-task=3"]
+
+
+def test_setup_line_runs_before_srun(capsys):
+    assert launch_main.main(["slurm", "--nodes", "1", "--ntasks_per_node", "1", "--setup",
+                             "source venv/bin/activate", "--", "python", "train.py"]) == 0
+    script = capsys.readouterr().out
+    lines = script.splitlines()
+    setup = lines.index("source venv/bin/activate")
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert setup < srun
+    assert lines[setup - 1] == "set -eo pipefail" and lines[setup + 1] == "set -u"
+    if shutil.which("bash"):
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def _run_script(tmp_path, script, srun_status):
+    """Runs `script` with stand-ins for srun (exiting `srun_status`) and scontrol."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", f"exit {srun_status}"),
+                       ("scontrol", f'echo "$@" >> {tmp_path}/scontrol.log')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77"}
+    result = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env,
+                            timeout=30)
+    log = tmp_path / "scontrol.log"
+    return result, log.read_text() if log.exists() else ""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("srun_status,requeued", [(42, True), (0, False), (1, False)])
+def test_requeue_script_requeues_on_exit_42_only(tmp_path, srun_status, requeued):
+    script = sbatch.batch_script(sbatch.plan_job(["python", "t.py"], nodes=1, ntasks_per_node=2,
+                                                 requeue=True))
+    result, scontrol = _run_script(tmp_path, script, srun_status)
+    assert result.returncode == srun_status
+    assert scontrol == ("requeue 77\n" if requeued else ""), result.stderr
+    if requeued:
+        assert "workers saved after SIGTERM (exit 42); requeueing job 77" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_script_without_requeue_does_not_requeue(tmp_path):
+    script = sbatch.batch_script(sbatch.plan_job(["python", "t.py"], nodes=1, ntasks_per_node=2))
+    result, scontrol = _run_script(tmp_path, script, 42)
+    assert result.returncode == 42 and scontrol == ""
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--cpus_per_task", "0"], "`cpus_per_task` must be a positive integer"),
+        (["--mem", "32 GB"], "`mem` must be memory per node"),
+        (["--mem", "lots"], "`mem` must be memory per node"),
+        (["--account", "a b"], "`account` must be one account name"),
+        (["--output", "my logs/%j.out"], "`output` must not contain whitespace"),
+        (["--output", ""], "`output` must be a file name pattern"),
+        (["--signal", "USR1@60"], "`signal` must send SIGTERM"),
+        (["--signal", "B:TERM@60"], "`signal` must not use 'B:'"),
+        (["--signal", "TERM@later"], "`signal` must be sbatch's [R:]SIG[@SECONDS]"),
+        (["--signal", "TERM@600", "--time", "5"],
+         "`signal` asks for SIGTERM 600 s before the time limit, but `time` is 5 (300 s)"),
+        (["--setup", "source a\nsource b"], "`setup` must be one shell command"),
+        (["--ntasks_per_node", "2", "--gpus_per_node", "3"],
+         "`gpus_per_node` must be a multiple of `ntasks_per_node`"),
+        (["--gpus-per-task", "1"], "unrecognized arguments before `--`: --gpus-per-task"),
+        (["--qos", "high"], "unrecognized arguments before `--`: --qos"),
+    ],
+)
+def test_cli_refuses_bad_or_contradictory_options_before_writing(argv, fragment, tmp_path,
+                                                                 monkeypatch, capsys):
+    # Even with --submit nothing reaches sbatch: it would record the script.
+    fake = tmp_path / "sbatch"
+    fake.write_text(f"#!/bin/sh\ncat > {tmp_path}/submitted\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    shape = [] if "--ntasks_per_node" in argv else ["--ntasks_per_node", "1"]
+    with pytest.raises(SystemExit) as info:
+        launch_main.main(["slurm", "--nodes", "1", *shape, *argv, "--submit", "--",
+                          "python", "train.py"])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert fragment in captured.err
+    assert not (tmp_path / "submitted").exists()
