@@ -186,6 +186,12 @@ def warmup_optimizer(schedule=None):
     return keras.optimizers.SGD(schedule or warmup_schedule(), momentum=0.5)
 
 
+def adamw_optimizer():
+    import keras
+
+    return keras.optimizers.AdamW(0.01, weight_decay=0.05)
+
+
 def lars_optimizer():
     from tfdp.optimizers import LARS
 
@@ -240,7 +246,7 @@ def count_all_reduces(strategy):
 
 def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
               steps_per_execution=1, jit_compile=False, gradient_compression=None,
-              sync_every=1, make_outer_optimizer=None):
+              sync_every=1, make_outer_optimizer=None, shard_optimizer_state=False):
     """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`."""
     with strategy.scope():
         model = build_model()
@@ -248,7 +254,8 @@ def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
                      accum_steps=accum_steps, steps_per_execution=steps_per_execution,
                      jit_compile=jit_compile, gradient_compression=gradient_compression,
                      sync_every=sync_every,
-                     outer_optimizer=make_outer_optimizer and make_outer_optimizer())
+                     outer_optimizer=make_outer_optimizer and make_outer_optimizer(),
+                     shard_optimizer_state=shard_optimizer_state)
     from tfdp.training import nonfinite
     from tfdp._upstream import loss_scale
 
@@ -452,6 +459,8 @@ def _local_cases(tfdp, strategy, counter):
 RESUME_CASES = {
     "topk_resume": lambda tfdp: dict(gradient_compression=tfdp.compression.TopK(fraction=0.05)),
     "local_resume": lambda tfdp: dict(sync_every=3),
+    # ZeRO-1: each worker's replica keeps its half of the momentum.
+    "zero_resume": lambda tfdp: dict(shard_optimizer_state=True),
 }
 
 
@@ -512,6 +521,8 @@ def main(out_dir: str) -> None:
     timed("loss_forms", _loss_form_cases, tfdp, strategy)
     timed("compression", _compression_cases, tfdp, strategy, counter)
     timed("local", _local_cases, tfdp, strategy, counter)
+    timed("zero", _fit_case, tfdp, strategy, counter, "zero", make_optimizer=adamw_optimizer,
+          accum_steps=ACCUM_STEPS, shard_optimizer_state=True)
     results["scratch_created"] = len(scratch)
     results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
     # After the scratch count above: these Trainers save more.

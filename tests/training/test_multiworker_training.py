@@ -35,7 +35,7 @@ TRAINER_EPOCHS = ((0, job.STEPS_PER_EPOCH), (1, job.TOTAL_STEPS - job.STEPS_PER_
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("mw_training")
-    result = run_launch(python_command(JOB_SCRIPT, str(out)), nproc=2, timeout=240, cwd=out)
+    result = run_launch(python_command(JOB_SCRIPT, str(out)), nproc=2, timeout=420, cwd=out)
     assert result.returncode == 0, result.describe()
     print(f"2-worker training job: {result.elapsed:.1f} s")
     records = []
@@ -222,6 +222,20 @@ def test_local_steps_on_two_workers_equal_two_replicas_in_one_process(workers, n
         assert int(record[f"{name}_iterations"]) == job.STEPS_PER_EPOCH
         _assert_weights(record, name, model.get_weights(), atol=1e-5)
         assert int(record[f"{name}_grad_allreduces"]) == syncs
+
+
+def test_sharded_optimizer_state_on_two_workers_equals_one_device(workers):
+    """ZeRO-1 across processes: each worker updates its half of AdamW's state, then all-gathers."""
+    _, records = workers
+    reference = _one_device_fit(job.adamw_optimizer)
+    first, second = records
+    for record in records:
+        assert int(record["zero_iterations"]) == job.STEPS_PER_EPOCH
+        _assert_weights(record, "zero", reference.get_weights(), atol=1e-5)
+    for key in (k for k in first if k.startswith("zero_weight")):
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    # The same gradient all-reduces as unsharded training: one per step.
+    assert int(first["zero_grad_allreduces"]) == job.STEPS_PER_EPOCH
 
 
 @pytest.mark.parametrize("name", list(job.RESUME_CASES))
