@@ -79,6 +79,8 @@ class RunConfig:
     """
 
     model: str = "cnn"
+    remat: bool = False
+    sync_bn: bool = False
     dataset: str = "digits"
     data_dir: str | None = None
     epochs: int = 10
@@ -181,6 +183,16 @@ class RunConfig:
         _positive("cpu_replicas", self.cpu_replicas, allow_none=True)
         _positive("bytes_per_pack", self.bytes_per_pack, minimum=0, allow_none=True)
         _positive("accum_steps", self.accum_steps, hint=" (1: no accumulation)")
+        for name in ("remat", "sync_bn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"--{name} must be true or false. "
+                                  f"Received: --{name}={getattr(self, name)!r}")
+        if self.sync_bn and self.accum_steps > 1:
+            raise ConfigError(
+                "--sync_bn cannot be combined with --accum_steps > 1 yet: the all-reduce in "
+                "synchronized BatchNormalization cannot run inside the micro-batch loop. Use "
+                "--accum_steps=1 (a smaller --global_batch or more replicas), or drop --sync_bn. "
+                f"Received: --sync_bn, --accum_steps={self.accum_steps}")
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("checkpoint_every", self.checkpoint_every, allow_none=True)
         _positive("log_every", self.log_every, allow_none=True)
@@ -250,6 +262,10 @@ class RunConfig:
                 + ": local steps make no gradient all-reduce to compress (the weights are "
                 "averaged exactly). Drop one of them. Received: "
                 f"{flag}, --sync_every={self.sync_every}, --outer_lr={self.outer_lr}")
+
+    def model_arguments(self) -> dict:
+        """The model builder's options these flags set (`remat`, `sync_bn`), only those on."""
+        return {name: True for name in ("remat", "sync_bn") if getattr(self, name)}
 
     def outer_optimizer_argument(self):
         """What `tfdp.compile` / `Trainer` take as `outer_optimizer`: DiLoCo's, or None. Call in the strategy's scope."""

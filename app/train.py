@@ -13,6 +13,7 @@ status 2 and one line naming the flag, before any training or collective.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Sequence
@@ -38,6 +39,13 @@ _D = run_config.RunConfig()  # defaults, one source of truth
 
 # What to train.
 flags.DEFINE_string("model", _D.model, "Registered model name (see models.names()).")
+flags.DEFINE_bool("remat", _D.remat, "Recompute each block's activations in the backward pass "
+                  "instead of keeping them: less activation memory for about one more forward "
+                  "pass per step, same gradients (transformer, resnet20/32/56, resnet50).")
+flags.DEFINE_bool("sync_bn", _D.sync_bn, "Batch normalisation statistics over the global batch "
+                  "(all replicas and workers) instead of each replica's share; one all-reduce "
+                  "per BatchNormalization layer per step (resnet20/32/56, resnet50; not with "
+                  "--accum_steps > 1).")
 flags.DEFINE_string("dataset", _D.dataset, "Registered dataset: digits (offline), a TFDS "
                     "name such as mnist or cifar10, or synthetic sources; tfrecord (your files, "
                     "--train_files); or python:package.module:function (your tf.data code).")
@@ -229,6 +237,12 @@ def _check_names(config: run_config.RunConfig) -> None:
             f"--model must be one of {', '.join(models.names())}. "
             f"Received: --model={config.model!r}"
         )
+    for flag, needs in (("remat", "blocks to recompute"), ("sync_bn", "BatchNormalization")):
+        if getattr(config, flag) and not models.accepts(config.model, flag):
+            supported = [name for name in models.names() if models.accepts(name, flag)]
+            raise run_config.ConfigError(
+                f"--{flag}: model {config.model!r} has no {needs}. Models that take --{flag}: "
+                f"{', '.join(supported)}. Received: --model={config.model} --{flag}")
     if config.dataset.startswith(user_data.PYTHON_PREFIX):
         try:  # imported now; called once the strategy exists
             user_data.python_function(config.dataset)
@@ -263,7 +277,8 @@ def main(argv: Sequence[str]) -> None:
         configure_logging(process_is_chief())
         with peer_failures.explain_peer_failures(collective_timeout=config.collective_timeout):
             experiment.train_and_evaluate(
-                config, build_dataset=_build_dataset(config), build_model=models.get
+                config, build_dataset=_build_dataset(config),
+                build_model=functools.partial(models.get, **config.model_arguments()),
             )
     except (run_config.ConfigError, config_check.ConfigMismatchError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)

@@ -10,6 +10,10 @@ Every model maps one batch of examples to float32 logits of shape
 - `resnet50`: `keras.applications.ResNet50`, random weights, >= 32x32 input.
 - `transformer`: encoder classifier over int token ids `(batch, seq_len)`.
 
+`remat=True` (the transformer, the ResNets) recomputes each block's
+activations in the backward pass (`tfdp.models.remat`); `sync_bn=True` (the
+ResNets) synchronises batch normalisation statistics over the global batch.
+
 Register your own with `@tfdp.models.register("name")`. The library never
 imports this package: `tfdp-train` (`tfdp.app`) passes `models.get` to
 `tfdp.app.experiment`.
@@ -19,6 +23,7 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from tfdp.models.registry import accepts  # noqa: E402
 from tfdp.models.registry import get  # noqa: E402
 from tfdp.models.registry import names  # noqa: E402
 from tfdp.models.registry import register  # noqa: E402
@@ -31,6 +36,7 @@ from tfdp.models import resnet_cifar as _resnet_cifar  # noqa: E402, F401
 from tfdp.models import transformer as _transformer  # noqa: E402, F401
 
 __all__ = [
+    "accepts",
     "get",
     "names",
     "register",

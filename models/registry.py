@@ -46,6 +46,22 @@ def _accepted_keywords(signature: inspect.Signature) -> tuple[list[str], bool]:
     return keywords, var_keyword
 
 
+def accepts(name: str, argument: str) -> bool:
+    """Whether the registered model `name`'s builder takes the keyword `argument`.
+
+    E.g. `accepts("resnet20", "sync_bn")`: the CLI refuses `--sync_bn` and
+    `--remat` for models that cannot honour them, before building anything.
+
+    Raises:
+        ValueError: `name` is not registered.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"Unknown model {name!r}. Known models: {', '.join(names())}. "
+                         f"Received: name={name!r}")
+    keywords, _ = _accepted_keywords(inspect.signature(_BUILDERS[name]))
+    return argument in keywords
+
+
 def _describe(fn) -> str:
     """`module.qualname` of a function, or its repr (e.g. a functools.partial)."""
     qualname = getattr(fn, "__qualname__", None)

@@ -37,6 +37,11 @@ def parse_flags():
          "--train_files: train files: '/nonexistent/train-*' matches no file"),
         (["--dataset=tfrecord", "--train_files=x", "--noeval", "--image_channels=2"],
          "--image_channels must be 1, 3 or 4"),
+        (["--model=cnn", "--sync_bn"], "--sync_bn: model 'cnn' has no BatchNormalization"),
+        (["--model=transformer", "--sync_bn"], "Models that take --sync_bn: resnet20"),
+        (["--model=mlp", "--remat"], "--remat: model 'mlp' has no blocks to recompute"),
+        (["--model=resnet20", "--sync_bn", "--accum_steps=2"],
+         "--sync_bn cannot be combined with --accum_steps > 1"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):
@@ -76,6 +81,34 @@ def test_local_step_flags_build_the_outer_optimizer(parse_flags, flags, expected
     else:
         assert outer.nesterov
         assert (float(outer.learning_rate), outer.momentum) == pytest.approx(expected)
+
+
+def test_remat_and_sync_bn_reach_the_model_builder(parse_flags, monkeypatch):
+    import keras
+
+    from tfdp.app import experiment
+    from tfdp.models import remat
+
+    built = {}
+
+    def train_and_evaluate(config, *, build_dataset, build_model):
+        built["model"] = build_model(config.model, input_shape=(8, 8, 3), num_classes=3)
+
+    monkeypatch.setattr(experiment, "train_and_evaluate", train_and_evaluate)
+    parse_flags("--model=resnet20", "--remat", "--sync_bn")
+    train_cli.main(["tfdp-train"])
+    layers = list(_all_layers(built["model"]))
+    assert sum(isinstance(layer, remat.Rematerialized) for layer in layers) == 9
+    norms = [layer for layer in layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(norms) == 21 and all(layer.synchronized for layer in norms)
+
+
+def _all_layers(model):
+    for layer in model.layers:
+        yield layer
+        inner = getattr(layer, "block", layer)
+        if hasattr(inner, "layers"):
+            yield from _all_layers(inner)
 
 
 def test_flags_map_onto_run_config(parse_flags):

@@ -21,8 +21,17 @@ def _tiny(*, input_shape, num_classes, units=4):
     return keras.Model(inputs, keras.layers.Dense(num_classes, dtype="float32")(x))
 
 
-def test_public_surface_is_get_names_register():
-    assert models.__all__ == ["get", "names", "register"]
+def test_public_surface_is_accepts_get_names_register():
+    assert models.__all__ == ["accepts", "get", "names", "register"]
+
+
+def test_accepts_says_which_models_take_remat_and_sync_bn():
+    remat = [n for n in models.names() if models.accepts(n, "remat")]
+    sync_bn = [n for n in models.names() if models.accepts(n, "sync_bn")]
+    assert remat == ["resnet20", "resnet32", "resnet50", "resnet56", "transformer"]
+    assert sync_bn == ["resnet20", "resnet32", "resnet50", "resnet56"]
+    with pytest.raises(ValueError, match="Unknown model 'alexnet'"):
+        models.accepts("alexnet", "remat")
 
 
 def test_names_are_the_documented_models_sorted():
