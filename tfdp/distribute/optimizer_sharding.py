@@ -29,10 +29,14 @@ each of the N replicas keeps them for 1/N of the parameters only:
 
 An optimizer qualifies when its update of one element depends only on that
 element (SGD, momentum, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad,
-Adadelta, Ftrl, Lion). An update that needs a whole variable (a norm, as in
-LAMB and LARS, or a row/column factorisation, as in Adafactor and Muon), or
-all of them (`global_clipnorm`, `clipnorm`), or Keras' moving averages
-(`use_ema`), is refused with the reason and the way out.
+Adadelta, Ftrl, Lion), or when, like `tfdp.optimizers.LARS` and `LAMB`, it
+needs only sums over a whole variable (their trust ratios' norms) and can
+take them from its chunks: each replica computes its chunks' sums of squares
+before the update, and one all-reduce of 2 floats per variable adds them up
+(`takes_norm_terms`), so the result stays exact. An update that needs a
+whole variable otherwise (Keras' own `Lamb`, Adafactor's and Muon's
+row/column work), or all of them (`global_clipnorm`, `clipnorm`), or Keras'
+moving averages (`use_ema`), is refused with the reason and the way out.
 
 The slots of each replica differ, so they are per-replica state
 (`tfdp.training.replica_state`): every worker writes its replicas' chunks
@@ -49,6 +53,8 @@ from typing import Sequence
 
 import keras
 import tensorflow as tf
+
+from tfdp.distribute import reduction
 
 #: Keras optimizers whose update is per element: safe to shard.
 _PER_ELEMENT = tuple(
@@ -68,8 +74,14 @@ _WHOLE_VARIABLE = tuple(
 def check_optimizer(optimizer) -> None:
     """Raises ValueError when `optimizer`'s update cannot be split element-wise across replicas."""
     name = type(optimizer).__name__
-    # tfdp.optimizers.LARS and LAMB say so themselves (this layer does not import them).
-    if (isinstance(optimizer, _WHOLE_VARIABLE)
+    if takes_norm_terms(optimizer):
+        if getattr(optimizer, "clipvalue", None):
+            raise ValueError(
+                f"shard_optimizer_state=True cannot apply {name}'s clipvalue: its trust ratio "
+                "is computed from the unclipped gradients before the update. Drop clipvalue "
+                "or shard_optimizer_state."
+            )
+    elif (isinstance(optimizer, _WHOLE_VARIABLE)
             or getattr(optimizer, "updates_whole_variables", False)):
         raise ValueError(
             f"shard_optimizer_state=True cannot shard {name}: its update of a variable "
@@ -98,6 +110,18 @@ def check_optimizer(optimizer) -> None:
         )
 
 
+def takes_norm_terms(optimizer) -> bool:
+    """Whether `optimizer` needs whole-variable norms and can take them summed over chunks.
+
+    `tfdp.optimizers.LARS` and `LAMB` can: they say so with
+    `updates_whole_variables` and give each chunk's sums of squares through
+    `norm_terms(gradient, variable)` (float32 `[2]`), and read the sums over
+    all chunks from `summed_norm_terms.terms[index]` in their update.
+    """
+    return bool(getattr(optimizer, "updates_whole_variables", False)
+                and callable(getattr(optimizer, "norm_terms", None)))
+
+
 def is_known_per_element(optimizer) -> bool:
     """Whether `optimizer` is a Keras optimizer known to update element by element."""
     return isinstance(optimizer, _PER_ELEMENT)
@@ -122,6 +146,10 @@ class OptimizerSharding:
         self.shards: list = []
         self._variables: list = []
         self._index: dict = {}
+        self._shard_index: dict = {}
+        #: `[variables, 2]` float32, with `norm_terms` summed over replicas
+        #: (for optimizers that take them; else None).
+        self.terms = None
 
     def __repr__(self) -> str:
         return f"OptimizerSharding(num_shards={self.num_shards})"
@@ -137,7 +165,15 @@ class OptimizerSharding:
             return
         self._index = {id(v): i for i, v in enumerate(self._variables)}
         self.shards = [self._shard_variable(v) for v in self._variables]
+        self._shard_index = {id(s): i for i, s in enumerate(self.shards)}
         inner_optimizer.build(self.shards)
+        if takes_norm_terms(inner_optimizer):
+            # Equal on every replica (set from one all-reduce); read by the
+            # inner optimizer's update. Not an attribute it tracks: `self`
+            # is a plain object, so no checkpoint holds it.
+            self.terms = keras.Variable(tf.zeros([len(self.shards), 2]), trainable=False,
+                                        name="summed_norm_terms", aggregation="none")
+            inner_optimizer.summed_norm_terms = self
 
     def _shard_variable(self, variable):
         size = shard_size(_num_elements(variable), self.num_shards)
@@ -180,6 +216,23 @@ class OptimizerSharding:
             chunks.append(self._chunk(context, gradient, variable))
             shards.append(self.shards[self._index[id(variable)]])
         return chunks, shards
+
+    def sum_norm_terms(self, context, optimizer, gradients, shards) -> None:
+        """Sums the inner optimizer's `norm_terms` of every chunk over the replicas (one all-reduce).
+
+        Args:
+            context: the replica context.
+            optimizer: the inner optimizer (`takes_norm_terms`).
+            gradients: this replica's chunks of the gradients, as the inner
+                optimizer will receive them (unscaled).
+            shards: their shard variables.
+        """
+        indices = [[self._shard_index[id(s)]] for s in shards]
+        local = tf.scatter_nd(indices, tf.stack([optimizer.norm_terms(g, s)
+                                                 for g, s in zip(gradients, shards)]),
+                              [len(self.shards), 2])
+        (summed,) = reduction.all_reduce_sum(context, [local])
+        self.terms.assign(summed)
 
     def gather_weights(self, context: tf.distribute.ReplicaContext) -> None:
         """All-gathers the updated chunks; every replica assigns the full weights (replica context).

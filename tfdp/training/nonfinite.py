@@ -318,6 +318,13 @@ class _SkipNonFinite:
             # Outside the branch, so a skipped step gathers the weights unchanged.
             self.sharding.load_weights(context)
             grads, variables = self.sharding.shard_gradients(context, grads, variables)
+            if self.sharding.terms is not None:
+                # LARS, LAMB: their whole-variable norms, summed over the
+                # chunks, before the branch (a collective; the same on every
+                # replica, unused when the step is skipped).
+                self.sharding.sum_norm_terms(
+                    context, self.inner_optimizer,
+                    self._inner_gradients(grads, variables, unscaled), variables)
 
         def apply_step(grads):
             if reduced or local:
@@ -464,9 +471,13 @@ class NonFiniteGuard(_SkipNonFinite, keras.optimizers.Optimizer):
         self._build_local_sync(var_list)
         super().build(var_list)
 
+    def _inner_gradients(self, grads, variables, unscaled=False):
+        """The gradients the inner optimizer applies (no loss scale: `grads`)."""
+        del variables, unscaled
+        return grads
+
     def _apply_finite(self, grads, variables, unscaled=False):
-        del unscaled  # no loss scale
-        self.inner_optimizer.apply(grads, variables)
+        self.inner_optimizer.apply(self._inner_gradients(grads, variables, unscaled), variables)
         self.consecutive_skipped_steps.assign(0)
 
     def _skip(self):
@@ -580,14 +591,19 @@ class NonFiniteLossScaleOptimizer(_SkipNonFinite, loss_scale.LossScaleOptimizer)
         # Error memories hold unscaled gradients, whatever the loss scale did since.
         return self.dynamic_scale
 
-    def _apply_finite(self, grads, variables, unscaled=False):
-        # `unscaled`: a compressor already divided them by the loss scale (see apply).
+    def _inner_gradients(self, grads, variables, unscaled=False):
+        """The gradients the inner optimizer applies: divided by the loss scale.
+
+        `unscaled`: a compressor already divided them by it (see apply).
+        """
         scale = 1.0 if unscaled else self.dynamic_scale
-        unscaled = [
+        return [
             g if getattr(v, "overwrite_with_gradient", False) else _divide(g, scale)
             for g, v in zip(grads, variables)
         ]
-        self.inner_optimizer.apply(unscaled, variables)
+
+    def _apply_finite(self, grads, variables, unscaled=False):
+        self.inner_optimizer.apply(self._inner_gradients(grads, variables, unscaled), variables)
 
         def grow():
             self.step_counter.assign(0)

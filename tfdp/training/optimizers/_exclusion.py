@@ -20,6 +20,8 @@ import re
 import warnings
 from typing import Iterable, Sequence
 
+from keras import ops
+
 #: Default exclusions: every bias, and the scale/offset (`gamma`/`beta`) of
 #: BatchNormalization, LayerNormalization and GroupNormalization. Add
 #: `r"rms_normalization[^/]*/scale$"` to also exclude RMSNormalization's scale.
@@ -142,6 +144,32 @@ class LayerwiseExclusionMixin:
 
     def _disable_base_weight_decay(self):
         super().exclude_from_weight_decay(var_names=[""])
+
+    #: The trust ratio takes norms of whole variables: under sharded optimizer
+    #: state (`tfdp.distribute.optimizer_sharding`) each replica gives its
+    #: chunks' `norm_terms`, the sums over replicas come back in
+    #: `summed_norm_terms`, and `_whole_sums_of_squares` reads them.
+    updates_whole_variables = True
+
+    def norm_terms(self, gradient, variable):
+        """float32 `[2]`: the sums of squares the trust ratio of `variable` needs, over its elements.
+
+        Summed over the chunks of a variable they give the whole variable's.
+        Reads the slots but changes nothing; call before the update.
+        """
+        raise NotImplementedError
+
+    def _whole_sums_of_squares(self, index, first, second):
+        """`(sum(first**2), sum(second**2))` over the whole variable `index`.
+
+        `first` and `second` are the variable's (or, sharded, this replica's
+        chunk's) tensors; sharded, the sums come from `summed_norm_terms`.
+        """
+        summed = getattr(self, "summed_norm_terms", None)
+        if summed is None:
+            return ops.sum(ops.square(first)), ops.sum(ops.square(second))
+        terms = summed.terms[index]  # this replica's copy, equal on every replica
+        return ops.cast(terms[0], first.dtype), ops.cast(terms[1], first.dtype)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Excludes more variables from weight decay (not from adaptation).

@@ -91,10 +91,6 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Lamb):
         - [You et al., 2019](https://arxiv.org/abs/1904.00962)
     """
 
-    #: Its trust ratio takes norms of whole variables, so its state cannot be
-    #: split element-wise across replicas (`tfdp.distribute.optimizer_sharding`).
-    updates_whole_variables = True
-
     def __init__(
         self,
         learning_rate,
@@ -129,38 +125,52 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Lamb):
         )
         self._setup_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
 
-    def update_step(self, gradient, variable, learning_rate):
-        """Applies one LAMB step to `variable`; see the class docstring."""
-        index = keras_optimizer_internals.variable_index(self, variable)
+    def _moments_and_direction(self, gradient, variable, index):
+        """`(new m, new v, r)` for one step of `variable`, without assigning anything."""
         dtype = variable.dtype
         if isinstance(gradient, tf.IndexedSlices):
             # The moments and norms need the whole gradient.
             gradient = tf.convert_to_tensor(gradient)
         gradient = ops.cast(gradient, dtype)
-        learning_rate = ops.cast(learning_rate, dtype)
         step = ops.cast(self.iterations + 1, dtype)
         beta_1 = ops.cast(self.beta_1, dtype)
         beta_2 = ops.cast(self.beta_2, dtype)
-
         m, v = keras_optimizer_internals.lamb_moments(self, index)
         # 1 - beta in float64 before the cast: 1 - float32(0.9) is off by 2e-7.
-        self.assign_add(m, (gradient - m) * ops.cast(1.0 - self.beta_1, dtype))
-        self.assign_add(v, (ops.square(gradient) - v) * ops.cast(1.0 - self.beta_2, dtype))
+        m = m + (gradient - m) * ops.cast(1.0 - self.beta_1, dtype)
+        v = v + (ops.square(gradient) - v) * ops.cast(1.0 - self.beta_2, dtype)
         m_hat = m / (1.0 - ops.power(beta_1, step))
         v_hat = v / (1.0 - ops.power(beta_2, step))
         update = m_hat / (ops.sqrt(v_hat) + ops.cast(self.epsilon, dtype))
         if self._decays[index] and self.weight_decay:
             update = update + ops.cast(self.weight_decay, dtype) * variable
+        return m, v, update
 
+    def update_step(self, gradient, variable, learning_rate):
+        """Applies one LAMB step to `variable`; see the class docstring."""
+        index = keras_optimizer_internals.variable_index(self, variable)
+        learning_rate = ops.cast(learning_rate, variable.dtype)
+        new_m, new_v, update = self._moments_and_direction(gradient, variable, index)
+        m, v = keras_optimizer_internals.lamb_moments(self, index)
+        self.assign(m, new_m)
+        self.assign(v, new_v)
         if self._adapts[index]:
-            w_norm = ops.sqrt(ops.sum(ops.square(variable)))
-            r_norm = ops.sqrt(ops.sum(ops.square(update)))
+            w_squares, r_squares = self._whole_sums_of_squares(index, variable, update)
+            w_norm = ops.sqrt(w_squares)
+            r_norm = ops.sqrt(r_squares)
             both_positive = ops.logical_and(w_norm > 0, r_norm > 0)
             trust = ops.where(
                 both_positive, w_norm / ops.where(both_positive, r_norm, 1.0), 1.0
             )
             update = trust * update
         self.assign_sub(variable, learning_rate * update)
+
+    def norm_terms(self, gradient, variable):
+        """float32 `[sum(w**2), sum(r**2)]` over `variable`, `r` this step's direction (see the mixin)."""
+        index = keras_optimizer_internals.variable_index(self, variable)
+        _, _, update = self._moments_and_direction(gradient, variable, index)
+        return tf.cast(tf.stack([ops.sum(ops.square(variable)), ops.sum(ops.square(update))]),
+                       tf.float32)
 
     def get_config(self):
         config = super().get_config()

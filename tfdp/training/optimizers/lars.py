@@ -98,10 +98,6 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
         - [You et al., 2017](https://arxiv.org/abs/1708.03888)
     """
 
-    #: Its trust ratio takes norms of whole variables, so its state cannot be
-    #: split element-wise across replicas (`tfdp.distribute.optimizer_sharding`).
-    updates_whole_variables = True
-
     def __init__(
         self,
         learning_rate,
@@ -161,8 +157,9 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
 
         scaled_lr = learning_rate
         if self._adapts[index]:
-            w_norm = ops.sqrt(ops.sum(ops.square(variable)))
-            g_norm = ops.sqrt(ops.sum(ops.square(gradient)))
+            w_squares, g_squares = self._whole_sums_of_squares(index, variable, gradient)
+            w_norm = ops.sqrt(w_squares)
+            g_norm = ops.sqrt(g_squares)
             denominator = g_norm + ops.cast(weight_decay, dtype) * w_norm
             denominator = denominator + ops.cast(self.epsilon, dtype)
             both_positive = ops.logical_and(w_norm > 0, g_norm > 0)
@@ -185,6 +182,12 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
             self.assign_sub(variable, momentum * velocity + step)
         else:
             self.assign_sub(variable, velocity)
+
+    def norm_terms(self, gradient, variable):
+        """float32 `[sum(w**2), sum(g**2)]` over `variable` (see the mixin)."""
+        gradient = ops.cast(tf.convert_to_tensor(gradient), variable.dtype)
+        return tf.cast(tf.stack([ops.sum(ops.square(variable)), ops.sum(ops.square(gradient))]),
+                       tf.float32)
 
     def get_config(self):
         config = super().get_config()
