@@ -217,3 +217,25 @@ def test_config_round_trip():
                                              shard_optimizer_state=True)
     again = type(optimizer).from_config(optimizer.get_config())
     assert again.shards_optimizer_state
+
+
+def test_resume_on_another_replica_count_is_refused_before_anything_changes(strategies, tmp_path):
+    model_dir = tmp_path / "run"
+    train(strategies[2], True, model_dir=str(model_dir), steps=3)
+
+    def checkpoint_files():  # TensorBoard event files aside
+        return sorted(p.relative_to(model_dir) for p in model_dir.rglob("*")
+                      if "tfevents" not in p.name)
+
+    before = checkpoint_files()
+    with strategies[4].scope():
+        model = mlp()
+        optimizer = keras.optimizers.Adam(0.01)
+    trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategies[4],
+                           batch=BatchConfig.from_global(GLOBAL_BATCH, 4),
+                           model_dir=str(model_dir), checkpoint_every=3,
+                           shard_optimizer_state=True)
+    with pytest.raises(ValueError, match=r"2 replica\(s\) per worker.*this run has 4"):
+        trainer.train(dataset(), steps=STEPS)
+    assert checkpoint_files() == before
+    np.testing.assert_array_equal(model.get_weights()[0], INITIAL[0])

@@ -81,6 +81,11 @@ class ChiefCheckpointManager:
         latest = self.latest_checkpoint
         if latest is None:
             return None
+        if self.replica_state is not None:
+            from tfdp.training import replica_state  # pylint: disable=import-outside-toplevel
+
+            # Before anything is restored: a clear refusal instead of a shape error.
+            self.replica_state.check_layout(replica_state.step_of(latest))
         try:
             status = self._checkpoint.restore(latest)
         except ValueError as error:  # e.g. a variable of another shape

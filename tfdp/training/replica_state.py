@@ -151,6 +151,30 @@ class ReplicaStateFiles:
             except tf.errors.OpError:
                 pass  # another worker removed it first
 
+    def check_layout(self, step: int) -> None:
+        """Raises ValueError when the files of `step` were written by another number of replicas per worker.
+
+        Call before restoring anything else of that checkpoint: with sharded
+        optimizer state the chief's checkpoint itself holds chunk-shaped
+        variables, which would fail to load with a message about shapes.
+        """
+        if not list(self._variables()):
+            return
+        path = os.path.join(self._step_directory(step), self._file_name)
+        if not tf.io.gfile.exists(path):
+            return  # restore() says what is missing
+        with tf.io.gfile.GFile(path, "rb") as f:
+            saved_replicas = int(np.load(io.BytesIO(f.read()), allow_pickle=False)["local_replicas"])
+        if saved_replicas != self._local_replicas:
+            raise ValueError(
+                f"The checkpoint of step {step} was written by {saved_replicas} replica(s) per "
+                f"worker ({path}); this run has {self._local_replicas}. Its per-replica state "
+                f"(sharded optimizer state, error-feedback memories or local optimizer slots) "
+                f"is laid out per replica and is not re-partitioned. Nothing was changed. Resume "
+                f"with {saved_replicas} replica(s) per worker (the same devices or "
+                f"cpu_replicas), or start a new model_dir from the weights alone."
+            )
+
     def restore(self, step: int) -> None:
         """Loads this worker's file for `step` into its replicas' copies.
 
