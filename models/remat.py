@@ -63,6 +63,9 @@ class Rematerialized(keras.layers.Layer):
         super().__init__(**kwargs)
         self.block = block
         self.supports_masking = True
+        # The wrapper hands the block its input's mask and puts it on the
+        # output (`compute_mask`); this keeps Keras from warning it is lost.
+        block.supports_masking = True
 
     def build(self, input_shape):
         if not self.block.built:
@@ -151,7 +154,6 @@ def remat_block(build, x, *, name: str):
     """
     block_input = keras.Input(batch_shape=x.shape, dtype=x.dtype, name=f"{name}_input")
     block = keras.Model(block_input, build(block_input), name=name)
-    block.supports_masking = True  # Its output keeps its input's mask.
     return Rematerialized(block, name=f"{name}_remat")(x)
 
 
@@ -201,12 +203,14 @@ def rematerialize_blocks(
         raise ValueError(f"Model {model.name!r} has no layer(s) {', '.join(unknown)}. "
                          f"Received: start={start!r}, ends={ends!r}")
     outputs = [_single(model.get_layer(n).output, n) for n in [start, *ends]]
-    stem = keras.Model(model.inputs, outputs[0], name=f"{model.name}_stem")
-    model_outputs = model.outputs[0] if len(model.outputs) == 1 else model.outputs
-    head = keras.Model(outputs[-1], model_outputs, name=f"{model.name}_head")
-    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
-              for t in model.inputs]
-    x = stem(inputs[0] if len(inputs) == 1 else inputs)
+    def single(tensors):  # A one-input model takes a tensor, not a list of one.
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    stem = keras.Model(single(model.inputs), outputs[0], name=f"{model.name}_stem")
+    head = keras.Model(outputs[-1], single(model.outputs), name=f"{model.name}_head")
+    inputs = single([keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
+                     for t in model.inputs])
+    x = stem(inputs)
     for end, block_in, block_out in zip(ends, outputs, outputs[1:]):
         block = keras.Model(block_in, block_out, name=f"{end}_block")
         x = Rematerialized(block, name=f"{end}_remat")(x)

@@ -160,3 +160,12 @@ def test_rematerialize_blocks_names_the_unknown_layer():
         remat_lib.rematerialize_blocks(model, start="stem_relu", ends=["stage9_block1_out"])
     with pytest.raises(ValueError, match="at least one block"):
         remat_lib.rematerialize_blocks(model, start="stem_relu", ends=[])
+
+
+def test_a_remat_model_saves_and_loads_with_its_blocks(tmp_path):
+    model = _build(tf.distribute.get_strategy(), "transformer", remat=True)
+    x, _ = _data("transformer", 1)
+    model.save(tmp_path / "remat.keras")
+    loaded = keras.models.load_model(tmp_path / "remat.keras")
+    assert len(_rematerialized(loaded)) == 2
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=0, atol=1e-6)
