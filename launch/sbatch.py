@@ -23,7 +23,13 @@ save and exit 42. With `requeue`, the script answers srun's exit status 42 with
 the workers' `--model_dir` (Slurm holds a requeued job about two minutes before
 it is eligible again). A SIGTERM to `srun` itself (`scancel --full`, or a
 `B:` signal) makes srun kill the tasks at once ("forcing job termination"),
-with no time to save, so `B:` is refused.
+with no time to save, so `B:` is refused. With `signal` or `requeue`, srun
+runs with `--kill-on-bad-exit=0 --wait=60` instead of `--kill-on-bad-exit=1`:
+the workers save together but exit one by one (a TensorFlow worker can take
+several seconds to exit after its save), and the first exit 42 would otherwise
+make srun terminate the rest, the chief maybe while it still writes, and end
+with their status instead of 42. A failed worker then ends the step within
+60 s rather than at once.
 
 Reading Slurm's environment in the workers is `tfdp.distribute.slurm_env`'s job; parsing
 flags is `tfdp.launch.__main__`'s.
@@ -51,6 +57,9 @@ _MEMORY = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 #: sbatch --signal: [{R}{B}:]SIG[@SECONDS], SIG a name or number.
 _SIGNAL = re.compile(r"^(?:(?P<flags>[RB]{1,2}):)?(?P<sig>(?:SIG)?[A-Z0-9]+)"
                      r"(?:@(?P<seconds>\d+))?$", re.IGNORECASE)
+#: Seconds srun waits, with `signal` or `requeue`, after the first task ends
+#: before it terminates the others.
+PREEMPTION_EXIT_WAIT = 60
 #: The exit status of a tfdp worker that saved after SIGTERM
 #: (`tfdp.distribute.preemption.PREEMPTION_EXIT_CODE`; not imported: no TensorFlow here).
 PREEMPTION_EXIT_CODE = 42
@@ -308,7 +317,11 @@ def batch_script(job: SlurmJob) -> str:
         directives.append(f"--signal={job.signal}")
     if job.requeue:
         directives += ["--requeue", "--open-mode=append"]  # every attempt's output kept
-    srun = ["srun", "--distribution=block", "--kill-on-bad-exit=1"]
+    if job.signal is None and not job.requeue:
+        srun = ["srun", "--distribution=block", "--kill-on-bad-exit=1"]
+    else:  # the first worker to exit 42 must not end the others' exit (see the docstring)
+        srun = ["srun", "--distribution=block", "--kill-on-bad-exit=0",
+                f"--wait={PREEMPTION_EXIT_WAIT}"]
     if job.cpus_per_task is not None:
         srun.append(f"--cpus-per-task={job.cpus_per_task}")
     srun_line = f"{shlex.join(srun)} {shlex.join(job.command)}"

@@ -163,6 +163,16 @@ def test_cpus_per_task_is_given_to_srun_too():
                         "--cpus-per-task=3"]
 
 
+@pytest.mark.parametrize("flags", [{"requeue": True}, {"signal": "TERM@60"}])
+def test_preemption_lets_every_worker_exit_before_srun_ends_the_step(flags):
+    # The first worker to exit 42 must not make srun terminate the others (the chief
+    # may still be writing its save) and turn the step's status into theirs.
+    _, srun, _ = _parse(sbatch.batch_script(sbatch.plan_job(
+        ["python", "t.py"], nodes=1, ntasks_per_node=2, **flags)))
+    assert srun[:4] == ["srun", "--distribution=block", "--kill-on-bad-exit=0",
+                        f"--wait={sbatch.PREEMPTION_EXIT_WAIT}"]
+
+
 def test_setup_line_runs_before_srun(capsys):
     assert launch_main.main(["slurm", "--nodes", "1", "--ntasks_per_node", "1", "--setup",
                              "source venv/bin/activate", "--", "python", "train.py"]) == 0

@@ -16,14 +16,17 @@ import shutil
 import sys
 import time
 
+import numpy as np
 import pytest
 
+import slurm_cluster
+
 #: tfdp-train's flags for the full and the preempted run (the same, so that
-#: their weights can be compared): 3 epochs x 22 steps of the small CNN on the
+#: their weights can be compared): 2 epochs x 22 steps of the small CNN on the
 #: bundled digits, a progress line every 5 steps.
-TRAIN_FLAGS = ("--dataset=digits", "--model=cnn", "--epochs=3", "--noeval", "--log_every=5",
+TRAIN_FLAGS = ("--dataset=digits", "--model=cnn", "--epochs=2", "--noeval", "--log_every=5",
                "--steps_per_loop=1")
-TOTAL_STEPS = 66
+TOTAL_STEPS = 44
 #: Seconds a two-worker tfdp-train job may take (about 50 s on 2 CPUs).
 JOB_TIMEOUT = 240.0
 
@@ -63,9 +66,33 @@ def _submit(slurm, jobs, workdir, model_dir, data_dir, *, launch_flags=(),
     return int(match.group(1))
 
 
-def _output(workdir, job_id):
-    path = workdir / f"slurm-{job_id}.out"
+def _output(workdir, job_id, name="slurm-{job_id}.out"):
+    path = workdir / name.format(job_id=job_id)
     return path.read_text(errors="replace") if path.exists() else "(no output file)"
+
+
+def _wait_for_output(slurm, workdir, job_id, name, text, *, timeout):
+    """Waits until the job's output file holds `text`; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while text not in _output(workdir, job_id, name):
+        job = slurm.job(job_id)
+        assert job.get("JobState") not in slurm_cluster.FINAL_STATES, (
+            f"job {job_id} ended ({job.get('JobState')}) before printing {text!r}:\n"
+            + _output(workdir, job_id, name)[-3000:])
+        assert time.monotonic() < deadline, (
+            f"job {job_id} printed no {text!r} in {timeout:g} s:\n"
+            + _output(workdir, job_id, name)[-3000:])
+        time.sleep(0.25)
+
+
+def _weights(model_dir):
+    """{variable: value} of the run's final checkpoint in `model_dir`."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(model_dir))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if "/.ATTRIBUTES/VARIABLE_VALUE" in name
+            and not name.startswith(("save_counter", "checkpointed_runs"))}  # bookkeeping
 
 
 def _wall_seconds(job):
@@ -101,3 +128,105 @@ def test_submitted_job_trains_two_workers_to_completion(full_run):
     assert summary["strategy"]["strategy"] == "MultiWorkerMirroredStrategy"
     assert summary["steps"] == TOTAL_STEPS
     assert f"tfdp-train: {TOTAL_STEPS} steps" in output
+
+
+@pytest.fixture(scope="module")
+def preempted_run(slurm, data_dir, tmp_path_factory):
+    """The same run, SIGTERMed at step 5 and requeued: (model_dir, job fields, output).
+
+    SIGTERM goes as Slurm sends it before a time limit (`#SBATCH --signal=TERM@S`)
+    or on `scancel --signal=TERM`: to the tasks, not to the batch shell and srun.
+    """
+    workdir = tmp_path_factory.mktemp("preempted")
+    out = "job-{job_id}.out"
+    submitted = []
+    try:
+        job_id = _submit(slurm, submitted, workdir, workdir / "run", data_dir,
+                         launch_flags=("--requeue", "--output", str(workdir / "job-%j.out")))
+        _wait_for_output(slurm, workdir, job_id, out, "tfdp-train: step 5/",
+                         timeout=JOB_TIMEOUT)
+        signalled = time.monotonic()
+        slurm.run(["scancel", "--signal=TERM", str(job_id)])
+        slurm.wait_job(job_id, timeout=120, until=lambda job: int(job.get("Restarts", 0)) >= 1)
+        requeued = time.monotonic()
+        job = slurm.wait_job(job_id, timeout=30, until=lambda job: job["JobState"] == "PENDING")
+        held = job["EligibleTime"]
+        # Slurm holds a requeued job ~2 minutes (EligibleTime); start it now instead. Not
+        # in the requeue's own second: slurmd refuses credentials dated before their
+        # revocation ("Job credential revoked").
+        time.sleep(2)
+        slurm.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
+        slurm.wait_job(job_id, timeout=60, until=lambda job: job["JobState"] != "PENDING")
+        resumed = time.monotonic()
+        job = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+        ended = time.monotonic()
+        print(f"\n[slurm] preempted run: job {job_id}: SIGTERM to requeue "
+              f"{requeued - signalled:.1f} s (Slurm would hold it until {held}); requeue to "
+              f"running again {resumed - requeued:.1f} s; rerun {ended - resumed:.1f} s; "
+              f"{job['JobState']}")
+        yield workdir / "run", job, _output(workdir, job_id, out)
+    finally:
+        for job_id in submitted:
+            slurm.run(["scancel", "--full", str(job_id)], check=False)
+
+
+@pytest.mark.slow
+def test_preempted_job_saves_requeues_and_resumes_to_the_planned_steps(preempted_run):
+    model_dir, job, output = preempted_run
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", output[-4000:]
+    assert job["Restarts"] == "1", output[-4000:]
+    # Every worker saved and exited 42; the script requeued the job.
+    assert output.count("saved after SIGTERM; exiting with code 42") == 2, output[-4000:]
+    assert "Exited with exit code 42" in output
+    assert f"[tfdp] workers saved after SIGTERM (exit 42); requeueing job {job['JobId']}" in output
+    saved = re.search(r"saved \S+/backup/ckpt-\d+ \(epoch \d+, batch \d+, step (\d+)\)",
+                      output)
+    assert saved and 0 < int(saved.group(1)) < TOTAL_STEPS, output[-4000:]
+    # The rerun resumed from the saved step, not from step 0, and finished the plan.
+    resumed = re.search(r"resumed from \S+ at .*\(step (\d+)\)",
+                        output.split("requeueing job", 1)[1])
+    assert resumed and int(resumed.group(1)) == int(saved.group(1)), output[-4000:]
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert summary["steps"] == TOTAL_STEPS and summary["strategy"]["num_workers"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "tfdp-train resumed after a SIGTERM save mid-epoch does not reproduce the uninterrupted "
+    "run's weights, with either loop and with tfdp-launch as well as Slurm (measured: max "
+    "|diff| 0.02-0.06 in the CNN's weights after 44 steps; two uninterrupted runs are "
+    "bitwise equal). Reported for app/ and tfdp/training; remove this mark once fixed."))
+def test_preempted_job_ends_with_the_uninterrupted_runs_weights(preempted_run, full_run):
+    model_dir, job, output = preempted_run
+    full_dir, full_job, full_output = full_run
+    assert job["JobState"] == "COMPLETED", output[-3000:]
+    assert full_job["JobState"] == "COMPLETED", full_output[-3000:]
+    expected, actual = _weights(full_dir), _weights(model_dir)
+    assert sorted(actual) == sorted(expected)
+    differ = {name: float(np.max(np.abs(actual[name] - value)))
+              for name, value in expected.items()
+              if not np.allclose(actual[name], value, atol=1e-5, rtol=0)}
+    assert not differ, f"variables differing from the uninterrupted run (max |diff|): {differ}"
+
+
+@pytest.mark.slow
+def test_tasks_with_different_flags_fail_with_the_mismatch_message(slurm, jobs, data_dir,
+                                                                   tmp_path):
+    # Each task adds its rank to --seed: the workers must refuse, not hang in a collective.
+    out = "job-{job_id}.out"
+    train = " ".join([shutil.which("tfdp-train"), *TRAIN_FLAGS, f"--data_dir={data_dir}",
+                      f"--model_dir={tmp_path / 'run'}"])
+    command = [sys.executable, "-m", "tfdp.launch", "slurm", "--nodes", "1",
+               "--ntasks_per_node", "2", "--output", str(tmp_path / "job-%j.out"), "--submit",
+               "--", "bash", "-c", f"exec {train} --seed=$((7 + SLURM_PROCID))"]
+    result = slurm.run(command, cwd=tmp_path)
+    job_id = int(re.fullmatch(r"Submitted batch job (\d+)\n", result.stdout).group(1))
+    jobs.append(job_id)
+    began = time.monotonic()
+    job = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+    output = _output(tmp_path, job_id, out)
+    print(f"\n[slurm] mismatched flags: job {job_id} {job['JobState']} (exit {job['ExitCode']}) "
+          f"after {time.monotonic() - began:.1f} s")
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", output[-4000:]
+    assert "tfdp-train: error: The workers' configurations differ" in output, output[-4000:]
+    assert "worker 1 differs from the chief (worker 0) in: seed" in output, output[-4000:]
