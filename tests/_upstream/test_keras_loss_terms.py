@@ -111,6 +111,22 @@ def test_mask_producers_are_found():
     assert not keras_loss_terms.may_produce_mask(plain)
 
 
+def test_synchronized_batch_normalization_is_found_inside_nested_layers():
+    class Block(keras.layers.Layer):
+        def __init__(self, synchronized):
+            super().__init__()
+            self.norm = keras.layers.BatchNormalization(synchronized=synchronized)
+
+        def call(self, inputs):
+            return self.norm(inputs)
+
+    def model(synchronized):
+        return keras.Sequential([keras.Input((3,)), Block(synchronized), keras.layers.Dense(1)])
+
+    assert keras_loss_terms.runs_collectives_in_forward(model(True))
+    assert not keras_loss_terms.runs_collectives_in_forward(model(False))
+
+
 def test_version_gate():
     assert keras_loss_terms.is_supported()
     assert not keras_loss_terms.is_supported("3.99.0")

@@ -271,6 +271,18 @@ def call_has_training_arg(model: keras.Model) -> bool:
     return model._call_has_training_arg
 
 
+def runs_collectives_in_forward(model: keras.Model) -> bool:
+    """Whether a layer of `model` all-reduces in its forward pass under a strategy.
+
+    Keras' `BatchNormalization(synchronized=True)` does (its batch moments
+    over all replicas); under MirroredStrategy that all-reduce is a
+    `merge_call`, which cannot run inside a `tf.while_loop`.
+    """
+    return any(isinstance(layer, keras.layers.BatchNormalization)
+               and getattr(layer, "synchronized", False)
+               for layer in model._flatten_layers(include_self=True, recursive=True))
+
+
 def may_produce_mask(model: keras.Model) -> bool:
     """Whether the model's predictions may carry a Keras mask (then counts need the forward pass).
 

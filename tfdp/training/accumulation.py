@@ -10,7 +10,13 @@ tfdp accumulates inside the replica's train step instead
 1. each replica splits its share of the global batch into `accum_steps`
    micro-batches (`split_micro_batches`) and runs forward and backward on
    one at a time (a `tf.while_loop` with `parallel_iterations=1`, so only one
-   micro-batch's activations are alive; `sum_micro_batch_gradients`);
+   micro-batch's activations are alive; `sum_micro_batch_gradients`). A
+   model whose forward pass all-reduces (`BatchNormalization(synchronized=
+   True)`, statistics per micro-batch over all replicas) gets the loop
+   unrolled instead, each micro-batch ordered after the previous one's
+   gradients: under MirroredStrategy that all-reduce is a `merge_call`,
+   which TensorFlow refuses inside a `tf.while_loop` ("merge_call called
+   while defining a new graph");
 2. the micro-batch gradients are summed in local tensors, never reduced;
 3. after the loop the sum goes to `optimizer.apply_gradients` once: one
    all-reduce and one optimizer update per global batch. A variable the loss
@@ -66,6 +72,7 @@ def sum_micro_batch_gradients(
     variables: Sequence[tf.Variable],
     loss_fn: Callable[[Any], tf.Tensor],
     on_gradients: Callable[[tf.Tensor, list], list] | None = None,
+    unroll: bool = False,
 ) -> list[tf.Tensor | None]:
     """Sums gradients over `accum_steps` micro-batches of `data`, one at a time.
 
@@ -83,6 +90,11 @@ def sum_micro_batch_gradients(
         on_gradients: `(loss, gradients) -> gradients`, applied to each
             micro-batch's gradients before they are summed (e.g.
             `nonfinite.fold_loss_into_gradients`). Defaults to None.
+        unroll: trace the micro-batches one after another in Python instead
+            of a `tf.while_loop` (for forward passes that hold collectives);
+            each waits for the previous one's gradients, so at most one
+            micro-batch's activations are alive, as in the loop. Defaults to
+            False.
 
     Returns:
         One entry per variable: the sum of the micro-batch gradients as a
@@ -116,10 +128,17 @@ def sum_micro_batch_gradients(
                 summed.append(total + _dense(gradient))
         return index + 1, summed
 
-    _, summed = tf.while_loop(
-        lambda index, _: index < accum_steps,
-        body,
-        (tf.constant(0), [tf.zeros_like(v) for v in variables]),
-        parallel_iterations=1,
-    )
+    zeros = [tf.zeros_like(v) for v in variables]
+    if unroll:
+        summed = zeros
+        for index in range(accum_steps):
+            with tf.control_dependencies(summed if index else []):
+                _, summed = body(tf.constant(index), summed)
+    else:
+        _, summed = tf.while_loop(
+            lambda index, _: index < accum_steps,
+            body,
+            (tf.constant(0), zeros),
+            parallel_iterations=1,
+        )
     return [None if i in unconnected else total for i, total in enumerate(summed)]

@@ -222,6 +222,7 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         gradients = accumulation.sum_micro_batch_gradients(
             (x, y, sample_weight), accum_steps, variables,
             lambda micro_batch: share_loss(*micro_batch, global_counts), on_gradients,
+            unroll=keras_loss_terms.runs_collectives_in_forward(model),
         )
     # Each share's loss is already its part of the global batch's loss (times
     # the global examples N when deferred): the all-reduce SUM inside
