@@ -5,6 +5,8 @@ one that reduces the logs once per execution; weights, logs and the end of
 the data must be exactly what Keras' own function gives.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -94,3 +96,17 @@ def test_only_where_the_step_returns_the_metrics_and_several_steps_run():
     tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=1)
     assert "make_train_function" not in vars(model)
     assert not keras_train_function.install(model)
+
+
+def test_outside_the_known_keras_range_keras_own_function_stays_with_one_warning(monkeypatch):
+    assert keras_train_function.is_supported()
+    assert not keras_train_function.is_supported("3.99.0")
+    monkeypatch.setattr(keras, "__version__", "3.99.0")  # what _versions reads
+    monkeypatch.setattr(keras_train_function, "_warned", False)
+    model = _model()
+    with pytest.warns(RuntimeWarning, match=r"Keras 3\.99\.0 is outside.*keras<=3\.15"):
+        tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
+    assert "make_train_function" not in vars(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        tfdp.compile(_model(), optimizer="sgd", loss="mse", steps_per_execution=3)

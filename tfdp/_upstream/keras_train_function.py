@@ -26,17 +26,49 @@ Private Keras members touched: `_make_function`, `_autoconvert_optionals`,
 `tests/_upstream/test_keras_train_function.py` checks that weights and
 logged metrics match Keras' own function, so a Keras change that breaks this
 copy fails there first.
+
+Version gate: outside `KNOWN_KERAS_RANGE`, `install` leaves Keras' own
+function in place (exact, only slower: a cross-replica reduction per metric
+per step) and warns once, naming the version and the cost.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
 
+from tfdp._upstream import _versions
+
 # pylint: disable=protected-access
+
+#: Keras (major, minor) versions this module was written against, inclusive.
+KNOWN_KERAS_RANGE = ((3, 0), (3, 15))
+_warned = False
+
+
+def is_supported(keras_version: str | None = None) -> bool:
+    """Whether `keras_version` (default: the installed one) is in `KNOWN_KERAS_RANGE`."""
+    return _versions.keras_in_range(KNOWN_KERAS_RANGE, keras_version)
+
+
+def _warn_unsupported_once() -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    low, high = KNOWN_KERAS_RANGE
+    warnings.warn(
+        f"tfdp: Keras {keras.__version__} is outside the versions "
+        f"tfdp/_upstream/keras_train_function.py was written for ({low[0]}.{low[1]} to "
+        f"{high[0]}.{high[1]}), so model.fit with steps_per_execution > 1 keeps Keras' own "
+        f"train function: exact, but each step reduces every logged metric across replicas "
+        f"(one cross-worker all-reduce per metric per step on MultiWorkerMirroredStrategy). "
+        f"Install keras<={high[0]}.{high[1]} to avoid that cost.",
+        RuntimeWarning, stacklevel=3)
 
 
 def applies_to(model: keras.Model, *, tfdp_step: bool = False) -> bool:
@@ -136,10 +168,15 @@ def install(model: keras.Model, *, tfdp_step: bool = False) -> bool:
         tfdp_step: see `applies_to`.
 
     Returns:
-        True if installed: `steps_per_execution > 1` and `applies_to(model)`;
-        otherwise any earlier installation is removed and False is returned.
+        True if installed: `steps_per_execution > 1`, `applies_to(model)` and
+        a Keras in `KNOWN_KERAS_RANGE` (else a warning, once); otherwise any
+        earlier installation is removed and False is returned.
     """
-    if model.steps_per_execution > 1 and applies_to(model, tfdp_step=tfdp_step):
+    wanted = model.steps_per_execution > 1 and applies_to(model, tfdp_step=tfdp_step)
+    if wanted and not is_supported():
+        _warn_unsupported_once()
+        wanted = False
+    if wanted:
         model.make_train_function = functools.partial(make_train_function, model)
         return True
     if "make_train_function" in vars(model):
