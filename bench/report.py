@@ -273,6 +273,66 @@ def _predict(case) -> list[str]:
     return lines
 
 
+def _mb(value):
+    return None if value is None else value / 1e6
+
+
+def _memory_rows(comparison, labels) -> list[str]:
+    lines = ["| | " + " | ".join(labels) + " |", "|---|---|---|"]
+    rows = (
+        ("step time, median over rounds (s)", lambda s: _f(s["median_step_seconds"], 3)),
+        ("step time by round (s)",
+         lambda s: ", ".join(_f(v, 3) for v in s["step_seconds_by_round"])),
+        ("peak resident set, worst worker (MB, median over rounds)",
+         lambda s: _f(_mb(s["peak_rss_bytes"]))),
+        ("peak resident set by round (MB)",
+         lambda s: ", ".join(_f(_mb(v)) for v in s["peak_rss_bytes_by_round"])),
+        ("TensorFlow allocator peak, worst worker (MB, BFC)", lambda s: _f(_mb(s["tf_peak_bytes"]))),
+        ("weights (MB)", lambda s: _f(_mb(s["weight_bytes"]), 1)),
+        ("optimizer state (MB)", lambda s: _f(_mb(s["optimizer_state_bytes"]), 1)),
+        ("shard variables (MB)", lambda s: _f(_mb(s["shard_scratch_bytes"]), 1)),
+    )
+    for label, cell in rows:
+        lines.append(f"| {label} | {cell(comparison['off'])} | {cell(comparison['on'])} |")
+    return lines
+
+
+def _memory(case) -> list[str]:
+    zero = case["zero"]
+    off = zero["off"]
+    lines = [f"ZeRO-1: an MLP of {off['parameters']:,} parameters with Adam, "
+             f"{off['num_replicas']} workers (MultiWorkerMirroredStrategy, `tfdp-launch`), "
+             "tiny input; each configuration in fresh processes, timing launches alternating "
+             "unsharded and sharded. Per worker; the state is counted from the optimizer's "
+             "variables, the shard variables (this replica's chunk of every weight, scratch "
+             "for the inner optimizer) apart; the allocator peak from launches with "
+             "`TF_CPU_ALLOCATOR_USE_BFC=true` (the default CPU allocator keeps no "
+             "statistics).", "",
+             *_memory_rows(zero, ("unsharded", "`shard_optimizer_state=True`")), "",
+             f"Optimizer state sharded ÷ unsharded {_f(zero['optimizer_state_ratio'], 3)} "
+             f"({_f(zero['optimizer_state_and_scratch_ratio'], 3)} with the shard variables); "
+             f"peak resident set saved ÷ unsharded state "
+             f"{_f(zero['peak_rss_saving_over_state'], 3)} (by round: "
+             + ", ".join(_f(v, 3) for v in zero["peak_rss_saving_over_state_by_round"])
+             + f"), allocator peak saved ÷ state {_f(zero['tf_peak_saving_over_state'], 3)}; "
+             f"step time sharded ÷ unsharded {_f(zero['step_time_ratio'], 3)} (by round: "
+             + ", ".join(_f(v, 3) for v in zero["step_time_ratio_by_round"]) + ")."]
+    remat = case["remat"]
+    lines += [""]
+    if remat.get("status") != "ok":
+        return lines + [f"*Remat: skipped: {remat.get('reason')}*"]
+    lines += [f"Remat: the registered transformer ({remat['off']['parameters']:,} parameters), "
+              "one process, Adam; activation memory = allocator peak − weights − optimizer "
+              "state (gradients and the step's temporaries included).", "",
+              *_memory_rows(remat, ("without remat", "`remat=True`")),
+              f"| activation memory (MB) | {_f(_mb(remat['off']['activation_bytes']))} | "
+              f"{_f(_mb(remat['on']['activation_bytes']))} |", "",
+              f"Activation memory 1 − with ÷ without {_f(remat['activation_reduction'], 3)}; "
+              f"step time with ÷ without {_f(remat['step_time_ratio'], 3)} (by round: "
+              + ", ".join(_f(v, 3) for v in remat["step_time_ratio_by_round"]) + ")."]
+    return lines
+
+
 def markdown(results: dict) -> str:
     """The Markdown report of `results`."""
     cases, config = results["cases"], results["config"]
@@ -286,6 +346,7 @@ def markdown(results: dict) -> str:
         ("6. All-reduce latency and bandwidth", "allreduce", _allreduce),
         ("7. Input pipeline vs naive", "input_pipeline", _pipeline),
         ("8. Batch inference: tfdp.predict vs Keras predict", "predict", _predict),
+        ("9. Memory: ZeRO-1 and activation recomputation", "memory", _memory),
     ]
     lines = ["# tfdp benchmark results", "", *_machine(results), "", "## Targets", "",
              *_targets(results)]

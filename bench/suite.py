@@ -10,8 +10,8 @@ case modules' job, writing files `tfdp.bench.report`'s.
 Order: the CNN throughput launches (1 and 2 workers, alternating when
 `rounds > 1`) feed the scaling, overhead and communication cases; PyTorch
 DDP runs right after them on the same network, without and then with its
-communication hooks; then the all-reduce, accumulation, input-pipeline and
-batch-inference cases.
+communication hooks; then the all-reduce, accumulation, input-pipeline,
+batch-inference and memory cases.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tfdp.bench import communication
 from tfdp.bench import input_pipeline
 from tfdp.bench import link as link_lib
 from tfdp.bench import machine
+from tfdp.bench import memory
 from tfdp.bench import overhead
 from tfdp.bench import peer_torch
 from tfdp.bench import predict
@@ -36,7 +37,7 @@ from tfdp.bench import targets
 from tfdp.bench import throughput
 
 CASES = ("scaling", "overhead", "peer_torch", "communication", "accumulation", "allreduce",
-         "input_pipeline", "predict")
+         "input_pipeline", "predict", "memory")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,14 @@ class SuiteConfig:
         predict_examples: examples per timed `predict` call.
         predict_memory_examples: input sizes of the `predict` memory jobs
             (1,000 floats per prediction).
+        memory_width: hidden width of the `memory` case's ZeRO MLP (4 hidden
+            layers; 4096: ≈50 M parameters).
+        memory_steps: timed steps per `memory` launch, after 2 warm-up steps
+            (1 with --quick).
+        memory_rounds: alternating timing launches (off, on) per `memory`
+            comparison.
+        memory_remat_model: the `memory` case's transformer options
+            (`tfdp.bench.memory.REMAT_MODEL` by default), as (name, value) pairs.
         timeout_scale: multiplies every subprocess deadline.
         link: run every multi-worker case over a loopback shaped to this
             rate (`"100mbit"`, `"1gbit"`; `tfdp.bench.link`); None: unshaped.
@@ -91,6 +100,10 @@ class SuiteConfig:
     )
     predict_examples: int = 100_000
     predict_memory_examples: tuple[int, ...] = (20_000, 200_000)
+    memory_width: int = memory.ZERO_WIDTH
+    memory_steps: int = 6
+    memory_rounds: int = 3
+    memory_remat_model: tuple[tuple[str, int | float], ...] = tuple(memory.REMAT_MODEL.items())
     timeout_scale: float = 1.0
     link: str | None = None
 
@@ -109,6 +122,10 @@ class SuiteConfig:
             raise ValueError(
                 f"`accum_steps` must include 1, the baseline. Received: {self.accum_steps!r}"
             )
+        for name in ("memory_width", "memory_steps", "memory_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
         if self.timeout_scale <= 0:
             raise ValueError(
                 f"`timeout_scale` must be positive. Received: timeout_scale={self.timeout_scale!r}"
@@ -126,6 +143,9 @@ class SuiteConfig:
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),
                             ("epochs", 1), ("repeats", 1)),
             predict_examples=10_000, predict_memory_examples=(2_000, 20_000),
+            memory_width=512, memory_steps=2, memory_rounds=1,
+            memory_remat_model=tuple({**memory.REMAT_MODEL, "sequence_length": 64,
+                                      "num_layers": 2, "hidden": 64}.items()),
         )
         values.update(overrides)
         return cls(**values)
@@ -236,6 +256,13 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
         num_examples=config.predict_examples, repeats=config.repeats,
         memory_examples=config.predict_memory_examples, threads=config.threads,
         timeout=config.timeout(600),
+    ), log)
+    cases["memory"] = _guarded("memory", lambda: memory.run(
+        width=config.memory_width, warmup_steps=1 if config.quick else 2,
+        steps=config.memory_steps, rounds=config.memory_rounds,
+        remat_model=dict(config.memory_remat_model), allocator_launches=not config.quick,
+        threads=config.threads,
+        timeout=config.timeout(900),
     ), log)
     results["cases"] = {name: cases[name] for name in CASES}
     results["breakdown"] = (

@@ -84,6 +84,27 @@ TARGETS = (
     Target("accumulation_peak_rss_k8",
            "k=8 ÷ k=1 (one micro-batch) peak resident set (VmHWM)", 1.2, False,
            lambda c: _accumulation(c, 8)["peak_rss_ratio"]),
+    Target("zero_optimizer_state_2_workers",
+           "ZeRO-1, 2 workers: optimizer-state bytes per worker, sharded ÷ unsharded "
+           "(counted from the optimizer's variables)", 0.55, False,
+           lambda c: c["memory"]["zero"]["optimizer_state_ratio"]),
+    Target("zero_peak_rss_saving_2_workers",
+           "ZeRO-1, 2 workers: peak resident memory per worker (VmHWM), unsharded − sharded, "
+           "÷ the unsharded optimizer state", 0.4, True,
+           lambda c: c["memory"]["zero"]["peak_rss_saving_over_state"]),
+    Target("zero_tf_peak_saving_2_workers",
+           "ZeRO-1, 2 workers: TensorFlow allocator peak per worker (BFC), unsharded − sharded, "
+           "÷ the unsharded optimizer state", 0.4, True,
+           lambda c: c["memory"]["zero"]["tf_peak_saving_over_state"]),
+    Target("zero_step_time_2_workers",
+           "ZeRO-1, 2 workers on loopback: step time, sharded ÷ unsharded (medians)", 1.15,
+           False, lambda c: c["memory"]["zero"]["step_time_ratio"]),
+    Target("remat_activation_memory",
+           "remat, the transformer: activation memory (allocator peak − weights − optimizer "
+           "state), 1 − with ÷ without", 0.4, True,
+           lambda c: c["memory"]["remat"]["activation_reduction"]),
+    Target("remat_step_time", "remat, the transformer: step time, with ÷ without (medians)",
+           1.4, False, lambda c: c["memory"]["remat"]["step_time_ratio"]),
 )
 
 

@@ -32,6 +32,8 @@ JOBS = {
     "time_to_accuracy_torch": ("tfdp.bench.time_to_accuracy", "measure_torch", "torch"),
     "input_pipeline": ("tfdp.bench.input_pipeline", "measure", "tensorflow"),
     "predict": ("tfdp.bench.predict", "measure", "tensorflow"),
+    "memory_zero": ("tfdp.bench.memory", "measure_zero", "tensorflow"),
+    "memory_remat": ("tfdp.bench.memory", "measure_remat", "tensorflow"),
 }
 
 

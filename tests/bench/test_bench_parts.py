@@ -89,6 +89,8 @@ def test_a_failing_job_reports_its_output():
     ({"steps": 10, "steps_per_execution": 10}, "at least two executions"),
     ({"accum_steps": (4, 8)}, "must include 1"),
     ({"threads": 0}, "`threads` must be a positive integer"),
+    ({"memory_rounds": 0}, "`memory_rounds` must be a positive integer"),
+    ({"memory_steps": True}, "`memory_steps` must be a positive integer"),
 ])
 def test_bad_suite_config_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -286,3 +288,110 @@ def test_predict_job_scores_in_one_process(tmp_path, monkeypatch):
                                   "batch_size": 64, "repeats": 1})
         assert result["num_workers"] == 1 and len(result["seconds"]) == 1
         assert result["examples_per_second"] > 0 and result["peak_rss_mb"] > 0
+
+
+def test_zero_model_is_at_least_fifty_million_parameters():
+    from tfdp.bench import memory
+
+    assert memory.zero_parameter_count() >= 50_000_000
+    assert memory.zero_parameter_count(width=512, layers=4) < 1_000_000
+    quick = suite.SuiteConfig.quick_config()
+    assert quick.memory_width == 512 and quick.memory_rounds == 1
+    assert dict(quick.memory_remat_model)["sequence_length"] == 64
+
+
+def _memory_run(flag_name, flag, allocator, step, rss, tf_peak, state, scratch=0, weights=100):
+    worker = {"peak_rss_bytes": rss, "rss_after_build_bytes": rss // 2,
+              "tf_peak_bytes": tf_peak if allocator == "bfc" else None,
+              "tf_before_training_bytes": 0, "weight_bytes": weights,
+              "optimizer_state_bytes": state, "shard_scratch_bytes": scratch}
+    return {flag_name: flag, "allocator": allocator, "timed": allocator == "default",
+            "num_replicas": 2, "parameters": 25,
+            "step_seconds": [step], "median_step_seconds": step,
+            "workers": [worker, {**worker, "peak_rss_bytes": rss - 10}]}
+
+
+def test_memory_summary_ratios_targets_and_report():
+    from tfdp.bench import memory
+
+    zero = [  # two alternating timing rounds, then one allocator launch each
+        _memory_run("sharded", False, "default", 1.0, 1000, None, 200),
+        _memory_run("sharded", True, "default", 1.1, 900, None, 100, 50),
+        _memory_run("sharded", False, "default", 2.0, 1010, None, 200),
+        _memory_run("sharded", True, "default", 2.4, 930, None, 100, 50),
+        _memory_run("sharded", False, "bfc", 9.0, 5000, 800, 200),
+        _memory_run("sharded", True, "bfc", 9.0, 5000, 700, 100, 50),
+    ]
+    remat = [
+        _memory_run("remat", False, "default", 1.0, 600, None, 20, weights=10),
+        _memory_run("remat", True, "default", 1.3, 500, None, 20, weights=10),
+        _memory_run("remat", False, "bfc", 1.0, 600, 230, 20, weights=10),
+        _memory_run("remat", True, "bfc", 1.3, 500, 130, 20, weights=10),
+    ]
+    case = memory.summarize(zero, remat)
+    z = case["zero"]
+    assert z["optimizer_state_ratio"] == 0.5
+    assert z["optimizer_state_and_scratch_ratio"] == 0.75
+    # Worst worker per round: 1000 vs 900, 1010 vs 930; median saving 90 of 200.
+    assert z["peak_rss_saving_over_state_by_round"] == [0.5, 0.4]
+    assert z["peak_rss_saving_over_state"] == pytest.approx(0.45)
+    assert z["tf_peak_saving_over_state"] == pytest.approx(0.5)
+    assert z["step_time_ratio"] == pytest.approx(1.75 / 1.5)
+    assert z["step_time_ratio_by_round"] == pytest.approx([1.1, 1.2])
+    r = case["remat"]
+    assert (r["off"]["activation_bytes"], r["on"]["activation_bytes"]) == (200, 100)
+    assert r["activation_reduction"] == pytest.approx(0.5)
+    assert r["step_time_ratio"] == pytest.approx(1.3)
+    verdicts = {row["name"]: row["met"] for row in targets.check({"memory": case})}
+    assert verdicts == {**verdicts, "zero_optimizer_state_2_workers": True,
+                        "zero_peak_rss_saving_2_workers": True,
+                        "zero_tf_peak_saving_2_workers": True,
+                        "zero_step_time_2_workers": False,
+                        "remat_activation_memory": True, "remat_step_time": True}
+    lines = report._memory(case)  # pylint: disable=protected-access
+    assert any("optimizer state (MB)" in line for line in lines)
+    assert any("activation memory (MB)" in line for line in lines)
+
+    without_remat = memory.summarize(zero)
+    assert without_remat["remat"]["status"] == "skipped"
+    verdicts = {row["name"]: row["met"] for row in targets.check({"memory": without_remat})}
+    assert verdicts["remat_activation_memory"] is None
+    assert verdicts["zero_optimizer_state_2_workers"] is True
+    assert any("Remat: skipped" in line for line in report._memory(  # pylint: disable=protected-access
+        without_remat))
+
+
+def test_zero_memory_job_counts_the_state_of_both_replicas():
+    """One process mirrored over 2 logical CPUs: sharding halves the state it holds."""
+    from tfdp.bench import memory
+
+    spec = {"width": 64, "layers": 2, "per_replica_batch": 4, "warmup_steps": 1, "steps": 2,
+            "cpu_replicas": 2}
+    plain = memory.measure_zero({**spec, "sharded": False})
+    sharded = memory.measure_zero({**spec, "sharded": True})
+    parameters = memory.zero_parameter_count(width=64, layers=2)
+    for result in (plain, sharded):
+        (worker,) = result["workers"]
+        assert result["num_replicas"] == 2 and len(result["step_seconds"]) == 2
+        assert worker["weight_bytes"] == 2 * 4 * parameters  # both replicas' copies
+        assert worker["peak_rss_bytes"] > 0
+    # Adam's m and v: 2 copies of 2 P floats unsharded, of 2 ⌈P/2⌉ sharded (plus scalars).
+    state = plain["workers"][0]["optimizer_state_bytes"]
+    assert 2 * 2 * 4 * parameters <= state < 2 * 2 * 4 * parameters + 1000
+    assert sharded["workers"][0]["optimizer_state_bytes"] < 0.55 * state
+    assert sharded["workers"][0]["shard_scratch_bytes"] >= 4 * parameters
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_remat_memory_job_trains_the_transformer(remat):
+    from tfdp.bench import memory
+
+    if remat and not memory.remat_available():
+        pytest.skip("the registered transformer has no `remat` option yet")
+    model = {**memory.REMAT_MODEL, "sequence_length": 16, "num_layers": 1, "hidden": 32}
+    result = memory.measure_remat({"remat": remat, "model": model, "batch": 4,
+                                   "warmup_steps": 1, "steps": 2})
+    (worker,) = result["workers"]
+    assert result["remat"] is remat and len(result["step_seconds"]) == 2
+    assert worker["weight_bytes"] == 4 * result["parameters"]
+    assert worker["optimizer_state_bytes"] >= 2 * worker["weight_bytes"]  # Adam's m and v
