@@ -24,6 +24,9 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import summaries
+
 TRAIN_DIR = "train"
 EVAL_DIR = "eval"
 CURVES_FILE = "curves.png"
@@ -31,6 +34,11 @@ CURVES_FILE = "curves.png"
 
 def _learning_rate(optimizer) -> float:
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def _skipped_steps(optimizer) -> int | None:
+    guard = nonfinite_lib.guard_of(optimizer)
+    return None if guard is None else int(keras.ops.convert_to_numpy(guard.skipped_steps))
 
 
 class FitProgress(keras.callbacks.Callback):
@@ -72,10 +80,7 @@ class FitProgress(keras.callbacks.Callback):
             self._writer = tf.summary.create_file_writer(self.log_dir)
             if step == 0:
                 with self._writer.as_default(step=0):
-                    tf.summary.scalar("batch/per_replica", self.batch.per_replica)
-                    tf.summary.scalar("batch/replicas", self.batch.num_replicas)
-                    tf.summary.scalar("batch/accum_steps", self.batch.accum_steps)
-                    tf.summary.scalar("batch/global", self.batch.global_batch)
+                    summaries.write_batch_layout(self.batch)
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.is_chief:
@@ -98,10 +103,8 @@ class FitProgress(keras.callbacks.Callback):
         )
         if self._writer is not None:
             with self._writer.as_default(step=step):
-                for name, value in values.items():
-                    tf.summary.scalar(name, value)
-                tf.summary.scalar("learning_rate", lr)
-                tf.summary.scalar("examples_per_second", rate)
+                summaries.write_progress(values, learning_rate=lr, examples_per_second=rate,
+                                         skipped_steps=_skipped_steps(self.model.optimizer))
 
     def on_train_end(self, logs=None):
         if self._writer is not None:

@@ -38,6 +38,7 @@ from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_state
 from tfdp.training import replica_steps
 from tfdp.training import step_monitor
+from tfdp.training import summaries
 from tfdp.distribute import preemption
 from tfdp.distribute import compression
 from tfdp.distribute import devices
@@ -394,10 +395,7 @@ class Trainer:
                 logging.info("tfdp trainer: resumed from %s at step %d", restored, global_step)
         if self._summary_writer is not None and global_step == 0:
             with self._summary_writer.as_default(step=0):
-                tf.summary.scalar("batch/per_replica", self.batch.per_replica)
-                tf.summary.scalar("batch/replicas", self.batch.num_replicas)
-                tf.summary.scalar("batch/accum_steps", self.batch.accum_steps)
-                tf.summary.scalar("batch/global", self.batch.global_batch)
+                summaries.write_batch_layout(self.batch)
 
         watcher = self._start_watching_sigterm()
         try:
@@ -530,12 +528,9 @@ class Trainer:
         )
         if self._summary_writer is not None:
             with self._summary_writer.as_default(step=step):
-                for name, value in logs.items():
-                    tf.summary.scalar(name, value)
-                tf.summary.scalar("learning_rate", lr)
-                tf.summary.scalar("examples_per_second", examples_per_second)
-                if self._guard is not None:
-                    tf.summary.scalar("nonfinite/skipped_steps", self.skipped_steps)
+                summaries.write_progress(
+                    logs, learning_rate=lr, examples_per_second=examples_per_second,
+                    skipped_steps=self.skipped_steps if self._guard is not None else None)
 
     def _check_steps(self, counted: int, expected: int) -> None:
         """Checks that the optimizer counted every step this worker ran."""
