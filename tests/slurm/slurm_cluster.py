@@ -401,9 +401,11 @@ class ClusterProcess(SlurmClient):
             ClusterError: if it exits or says nothing in `timeout` seconds (it
                 is stopped first), with its output.
         """
+        # SIGTERM (a clean stop) if this process dies without stopping it.
         process = subprocess.Popen([sys.executable, "-u", __file__], stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+                                   text=True, start_new_session=True,
+                                   preexec_fn=_proc.parent_death_signal_hook(signal.SIGTERM))
         lines: list[str] = []
         # Its output is read by a thread until it exits, so it never blocks on a full pipe.
         reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
