@@ -36,8 +36,12 @@ class RunConfig:
     """Everything one `tfdp-train` run needs; each field is the flag of that name.
 
     What to train:
-        model: registered model name (`models.get`). dataset: registered source
-        name (`pipelines`). data_dir: TFDS data directory (None: default).
+        model: registered model name (`models.get`). remat: recompute each
+        block's activations in the backward pass (models with blocks: the
+        transformer and the ResNets). sync_bn: batch normalisation statistics
+        over the global batch, or over each global micro-batch with
+        accum_steps > 1 (models with BatchNormalization: the ResNets).
+        dataset: registered source name (`pipelines`). data_dir: TFDS data directory (None: default).
         epochs: epochs to train. steps_per_epoch: optimizer steps per epoch
         (None: the whole training split). eval: evaluate on the test split
         at the end. seed: seeds initialisation and shuffling.
@@ -187,12 +191,6 @@ class RunConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--{name} must be true or false. "
                                   f"Received: --{name}={getattr(self, name)!r}")
-        if self.sync_bn and self.accum_steps > 1:
-            raise ConfigError(
-                "--sync_bn cannot be combined with --accum_steps > 1 yet: the all-reduce in "
-                "synchronized BatchNormalization cannot run inside the micro-batch loop. Use "
-                "--accum_steps=1 (a smaller --global_batch or more replicas), or drop --sync_bn. "
-                f"Received: --sync_bn, --accum_steps={self.accum_steps}")
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("checkpoint_every", self.checkpoint_every, allow_none=True)
         _positive("log_every", self.log_every, allow_none=True)

@@ -43,9 +43,9 @@ flags.DEFINE_bool("remat", _D.remat, "Recompute each block's activations in the 
                   "instead of keeping them: less activation memory for about one more forward "
                   "pass per step, same gradients (transformer, resnet20/32/56, resnet50).")
 flags.DEFINE_bool("sync_bn", _D.sync_bn, "Batch normalisation statistics over the global batch "
-                  "(all replicas and workers) instead of each replica's share; one all-reduce "
-                  "per BatchNormalization layer per step (resnet20/32/56, resnet50; not with "
-                  "--accum_steps > 1).")
+                  "(all replicas and workers; with --accum_steps, over each global "
+                  "micro-batch) instead of each replica's share; 3 small all-reduces per "
+                  "BatchNormalization layer per micro-batch (resnet20/32/56, resnet50).")
 flags.DEFINE_string("dataset", _D.dataset, "Registered dataset: digits (offline), a TFDS "
                     "name such as mnist or cifar10, or synthetic sources; tfrecord (your files, "
                     "--train_files); or python:package.module:function (your tf.data code).")

@@ -40,8 +40,6 @@ def parse_flags():
         (["--model=cnn", "--sync_bn"], "--sync_bn: model 'cnn' has no BatchNormalization"),
         (["--model=transformer", "--sync_bn"], "Models that take --sync_bn: resnet20"),
         (["--model=mlp", "--remat"], "--remat: model 'mlp' has no blocks to recompute"),
-        (["--model=resnet20", "--sync_bn", "--accum_steps=2"],
-         "--sync_bn cannot be combined with --accum_steps > 1"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):

@@ -91,6 +91,13 @@ def main(out_dir):
     trainer = tfdp.Trainer(model, optimizer=opt, loss=loss(), strategy=strategy, batch=batch)
     trainer.train(global_batches(), epochs=1)
     record.update({f"trainer_weight{i}": w.numpy() for i, w in enumerate(model.weights)})
+
+    # accum_steps=2: the statistics of each global micro-batch.
+    with strategy.scope():
+        model = sync_bn_model(True)
+        tfdp.compile(model, optimizer=optimizer(), loss=loss(), accum_steps=2)
+    model.fit(global_batches(), epochs=1, verbose=0)
+    record.update({f"accum_weight{i}": w.numpy() for i, w in enumerate(model.weights)})
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 
 

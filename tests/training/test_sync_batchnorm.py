@@ -8,16 +8,13 @@ after a few SGD steps (every weight, moving statistics included, to 1e-5)
 through `tfdp.compile` + `model.fit` and `tfdp.Trainer`, on a 2-replica CPU
 `MirroredStrategy` and on 2 worker processes.
 
-With `accum_steps > 1` the statistics would be those of each micro-batch:
-the global micro-batch `k` is the `k`-th slice of every replica's share
+With `accum_steps > 1` the statistics are those of each micro-batch: the
+global micro-batch `k` is the `k`-th slice of every replica's share
 (`tfdp.training.accumulation.split_micro_batches`), and the moving
-statistics are updated once per micro-batch; the reference is one device
-with `accum_steps` on the same examples grouped the same way. Today that
-fails: the micro-batch loop is a `tf.while_loop`, and the all-reduce inside
-synchronized BatchNormalization cannot run in one (`merge_call` under
-MirroredStrategy; the 2-worker run fails too), so `tfdp-train` refuses
-`--sync_bn` with `--accum_steps > 1`. The test is a strict xfail: it passes,
-and must lose its marker, once accumulation unrolls its loop for such models.
+statistics are updated once per micro-batch. The reference is one device
+with `accum_steps` on the same examples grouped the same way. (Accumulation
+unrolls its micro-batch loop for such models: the all-reduce inside
+synchronized BatchNormalization cannot run in a `tf.while_loop`.)
 """
 
 from __future__ import annotations
@@ -97,14 +94,12 @@ def test_the_replicas_halves_differ_so_per_replica_statistics_would_not_pass():
     assert np.all(halves[:, 1].std(axis=1) > 1.5 * halves[:, 0].std(axis=1))
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="merge_call inside the accumulation tf.while_loop")
-def test_with_accumulation_the_statistics_are_each_micro_batch(strategy, loop="fit"):
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_with_accumulation_the_statistics_are_each_micro_batch(strategy, loop):
     accum_steps = 2
     order = micro_batch_order(strategy.num_replicas_in_sync, accum_steps)
-    got = _train(strategy, loop=loop, synchronized=True, accum_steps=accum_steps)  # raises
     want = _one_device(loop=loop, accum_steps=accum_steps, order=order)
-    _assert_close(got, want)
+    _assert_close(_train(strategy, loop=loop, synchronized=True, accum_steps=accum_steps), want)
     # Not the statistics of the whole global batch (one update per step).
     whole = _one_device(loop=loop)
     assert np.abs(want["bn/moving_mean"] - whole["bn/moving_mean"]).max() > 0.01
@@ -115,7 +110,9 @@ def test_synchronized_bn_on_2_worker_processes_equals_one_device(tmp_path):
     result = run_launch(python_command(JOB_SCRIPT, str(tmp_path)), nproc=2, timeout=240,
                         cwd=tmp_path)
     assert result.returncode == 0, result.describe()
-    want = {"fit": _one_device(loop="fit"), "trainer": _one_device(loop="custom")}
+    order = micro_batch_order(2, 2)
+    want = {"fit": _one_device(loop="fit"), "trainer": _one_device(loop="custom"),
+            "accum": _one_device(loop="fit", accum_steps=2, order=order)}
     for rank in range(2):
         with np.load(tmp_path / f"rank{rank}.npz") as data:
             record = dict(data)
