@@ -12,6 +12,10 @@ Run under `tfdp-launch --nproc_per_node N [--max_restarts K]` as
   it trains optimizer step STEP (1-based). `ATTEMPT:STEP:save` instead kills
   the chief in the middle of saving the checkpoint of step STEP: after its
   files are written, before TensorFlow's `checkpoint` state file names it.
+  `ATTEMPT:STEP:term` makes the worker send itself SIGTERM instead (a
+  preemption: it saves and exits 42). STEP may be `+K`: K steps after the
+  step the attempt resumed from. A trailing `@RANK` picks the worker (default:
+  the last one; the chief for `save`).
 
 Every worker appends one JSON line per trained batch to
 `OUT_DIR/seen-RANK.jsonl`: `{"attempt", "step", "ids"}`; example ids encode
@@ -62,17 +66,25 @@ class Worker:
         self.last_rank = int(os.environ["TFDP_WORLD_SIZE"]) - 1
         self.attempt = int(os.environ.get("TFDP_RESTART_COUNT", "0"))
         self.kill_at = self.kill_in_save = None
+        self.kill_signal = signal.SIGKILL
+        self._relative = False
         for kill in kills.split(","):
             if kill == "-":
                 continue
+            kill, _, rank = kill.partition("@")
             attempt, step, *where = kill.split(":")
             if int(attempt) != self.attempt:
                 continue
-            if where == ["save"] and self.rank == 0:
+            default_rank = 0 if where == ["save"] else self.last_rank
+            if self.rank != (int(rank) if rank else default_rank):
+                continue
+            self._relative = step.startswith("+")
+            if where == ["save"]:
                 self.kill_in_save = int(step)
-            elif not where and self.rank == self.last_rank:
+            else:
                 self.kill_at = int(step)
-        self.step = 0  # the optimizer step the next batch trains
+                self.kill_signal = signal.SIGTERM if where == ["term"] else signal.SIGKILL
+        self.step = self.start = 0  # the optimizer step the next batch trains
         if self.kill_in_save is not None:
             self._arm_kill_in_save()
 
@@ -83,22 +95,25 @@ class Worker:
         kill_in_save = self.kill_in_save
 
         def record_state_or_die(manager):
-            if manager.latest_checkpoint.endswith(f"ckpt-{kill_in_save}"):
+            if manager.latest_checkpoint.endswith(f"ckpt-{self._absolute(kill_in_save)}"):
                 os.kill(os.getpid(), signal.SIGKILL)
             record_state(manager)
 
         tf.train.CheckpointManager._record_state = record_state_or_die
 
+    def _absolute(self, step: int) -> int:
+        return self.start + step if self._relative else step
+
     def started_at(self, step: int) -> None:
-        self.step = step
+        self.step = self.start = step
         with open(os.path.join(self.out_dir, f"start-{self.attempt}-{self.rank}"), "w") as f:
             f.write(str(step))
 
     def trained(self, ids) -> None:
         """Called inside the train step, before the batch's gradients exist."""
         self.step += 1
-        if self.kill_at is not None and self.step == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_at is not None and self.step == self._absolute(self.kill_at):
+            os.kill(os.getpid(), self.kill_signal)
         record = {"attempt": self.attempt, "step": self.step,
                   "ids": ids.numpy().astype(int).tolist()}
         with open(os.path.join(self.out_dir, f"seen-{self.rank}.jsonl"), "a") as f:
