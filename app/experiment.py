@@ -243,6 +243,7 @@ def train_and_evaluate(
             loss_normalization=config.loss_normalization,
             gradient_compression=config.gradient_compression_argument(),
             sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
+            shard_optimizer_state=config.shard_optimizer_state,
         )
 
         result = trainer.train(dataset_for_epoch, epochs=config.epochs,
@@ -393,6 +394,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         loss_normalization=config.loss_normalization,
         gradient_compression=config.gradient_compression_argument(),
         sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
+        shard_optimizer_state=config.shard_optimizer_state,
     )
     total_steps = config.epochs * steps_per_epoch
     if config.model_dir and _restore_finished_run(config, model, info, total_steps):

@@ -76,6 +76,8 @@ class RunConfig:
         sync_every (local SGD: optimizer steps between averages of the
         weights; 1: synchronous), outer_lr and outer_momentum (DiLoCo's
         Nesterov outer step at each synchronisation; `tfdp.distribute.local_sync`),
+        shard_optimizer_state (ZeRO-1: each replica keeps the optimizer's
+        slots for its 1/N of the weights; `tfdp.distribute.optimizer_sharding`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only),
         log_every (--loop=fit: optimizer steps between the chief's progress
@@ -133,6 +135,7 @@ class RunConfig:
     sync_every: int = 1
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    shard_optimizer_state: bool = False
     model_dir: str | None = None
     checkpoint_every: int | None = None
     log_every: int | None = None
@@ -250,6 +253,14 @@ class RunConfig:
                 raise ConfigError("--outer_momentum must be in [0, 1) (the paper uses 0.9). "
                                   f"Received: --outer_momentum={self.outer_momentum!r}")
         local = self.sync_every > 1 or self.outer_lr is not None
+        if local and self.shard_optimizer_state:
+            raise ConfigError(
+                f"--shard_optimizer_state cannot be combined with --sync_every={self.sync_every}"
+                + (" and --outer_lr" if self.outer_lr is not None else "")
+                + ": between synchronisations every replica updates all of its weights with "
+                "its own optimizer slots, so there is no state to share out. Drop one of them. "
+                f"Received: --shard_optimizer_state, --sync_every={self.sync_every}, "
+                f"--outer_lr={self.outer_lr}")
         if local and (self.gradient_compression != "none" or self.all_reduce_dtype is not None):
             flag = (f"--gradient_compression={self.gradient_compression}"
                     if self.gradient_compression != "none"

@@ -137,6 +137,9 @@ flags.DEFINE_float("outer_lr", None, "DiLoCo: at each synchronisation an outer N
                    "along their difference with the average; unset: plain averaging.")
 flags.DEFINE_float("outer_momentum", None, "DiLoCo's outer Nesterov momentum (with --outer_lr; "
                    "default 0.9, as in the paper).")
+flags.DEFINE_bool("shard_optimizer_state", _D.shard_optimizer_state, "ZeRO-1: each replica "
+                  "keeps the optimizer's slots (momentum, Adam's moments) for its 1/N share of "
+                  "the weights only, and the updated shares are all-gathered every step.")
 flags.DEFINE_enum("loss_normalization", _D.loss_normalization, run_config.LOSS_NORMALIZATIONS,
                   "global: the loss of the global batch as one device computes it (masks, "
                   "weights, every reduction); per_replica: each replica's mean, averaged, as "

@@ -36,6 +36,8 @@ def test_defaults_are_valid_and_default_the_global_batch():
         (dict(outer_lr=0.0), "--outer_lr must be a positive number"),
         (dict(outer_momentum=0.9), "--outer_momentum needs --outer_lr"),
         (dict(outer_lr=0.7, outer_momentum=1.0), r"--outer_momentum must be in \[0, 1\)"),
+        (dict(sync_every=4, shard_optimizer_state=True),
+         "--shard_optimizer_state cannot be combined with --sync_every=4"),
         (dict(sync_every=8, gradient_compression="topk"),
          "--gradient_compression=topk cannot be combined with --sync_every=8"),
         (dict(outer_lr=0.7, all_reduce_dtype="bfloat16"),

@@ -81,6 +81,29 @@ def test_local_step_flags_build_the_outer_optimizer(parse_flags, flags, expected
         assert (float(outer.learning_rate), outer.momentum) == pytest.approx(expected)
 
 
+def test_shard_optimizer_state_reaches_the_trained_optimizer(parse_flags, tmp_path):
+    """Two logical replicas, 2 steps: the optimizer that trained kept half of its slots."""
+    parse_flags("--model=mlp", "--cpu_replicas=2", "--epochs=1", "--steps_per_epoch=2",
+                "--optimizer=adam", "--shard_optimizer_state", f"--model_dir={tmp_path}")
+    train_cli.main(["tfdp-train"])
+    import json
+
+    import tensorflow as tf
+
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    # The final checkpoint's optimizer slots are this replica's chunks: flat,
+    # half of each variable (rounded up), where unsharded Adam's are shaped
+    # like the kernels.
+    saved = dict(tf.train.list_variables(str(tmp_path)))
+    slots = [shape for name, shape in saved.items()
+             if "inner_optimizer/_variables" in name and shape]
+    kernels = [shape for name, shape in saved.items()  # the wrapper's: the model's weights
+               if name.startswith("optimizer/_trainable_variables/") and len(shape) == 2]
+    assert slots and kernels
+    assert all(len(shape) == 1 for shape in slots)
+    assert max(s[0] for s in slots) == max(-(-k[0] * k[1] // 2) for k in kernels)
+
+
 def test_remat_and_sync_bn_reach_the_model_builder(parse_flags, monkeypatch):
     import keras
 
