@@ -338,7 +338,8 @@ def _training_steps(optimizer) -> int:
 def _final_checkpoint(config, model, info) -> checkpointing.ChiefCheckpointManager:
     """Where `--loop=fit` keeps its final weights and optimizer: `model_dir`."""
     return checkpointing.ChiefCheckpointManager(
-        tf.train.Checkpoint(model=model, optimizer=model.optimizer), config.model_dir,
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                            **checkpointing.random_state(model)), config.model_dir,
         is_chief=info.is_chief,
     )
 

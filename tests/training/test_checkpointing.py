@@ -66,3 +66,65 @@ def test_a_checkpoint_of_another_model_is_refused_untouched(saved):
     with pytest.raises(ValueError, match="does not match this model and optimizer.*Nothing was"):
         manager.restore_latest()
     assert _snapshot(directory) == before
+
+
+def _dropout_model():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1, keepdims=True))).batch(8)
+
+
+def test_dropout_draws_resume_where_they_stopped(tmp_path):
+    """Keras keeps Dropout's generator state outside TF's checkpoints; tfdp saves it too."""
+    import tfdp
+
+    def run(model_dir, steps):
+        model = _dropout_model()
+        trainer = tfdp.Trainer(model, optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                               strategy=tf.distribute.get_strategy(),
+                               batch=tfdp.BatchConfig(8, 1), model_dir=model_dir,
+                               checkpoint_every=3, steps_per_loop=3)
+        trainer.train(_data().repeat(), steps=steps)
+        return model
+
+    straight = run(str(tmp_path / "straight"), 6)
+    run(str(tmp_path / "resumed"), 3)
+    resumed = run(str(tmp_path / "resumed"), 6)
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert checkpointing.random_state(straight)
+    assert not checkpointing.random_state(_objects()[0])  # no generator: layout unchanged
+
+
+def test_dropout_draws_resume_where_they_stopped_in_fit(tmp_path):
+    import tfdp
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfter(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) >= 4:
+                raise Crash()
+
+    def run(backup_dir, callbacks=()):
+        model = _dropout_model()
+        tfdp.compile(model, optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        backup = tfdp.callbacks.BackupAndRestore(str(backup_dir), save_freq=2)
+        model.fit(backup.wrap(lambda epoch: _data()), epochs=2, verbose=0,
+                  callbacks=[backup, *callbacks])
+        return model
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(Crash):
+        run(tmp_path / "resumed", [CrashAfter()])
+    resumed = run(tmp_path / "resumed")
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)

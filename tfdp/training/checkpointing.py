@@ -18,6 +18,24 @@ import tempfile
 import tensorflow as tf
 
 
+def random_state(model) -> dict:
+    """`{"random_state": [...]}` for a `tf.train.Checkpoint`: `model`'s random-number state, or `{}`.
+
+    Keras 3 layers that draw random numbers (`Dropout`, `GaussianNoise`,
+    random augmentation layers) keep their generator's state in a
+    `SeedGenerator`, which TensorFlow's checkpoints do not track (it is not a
+    trackable object): a run restored from a checkpoint would draw its masks
+    from the generator's initial state again, and end with other weights
+    than an uninterrupted run. `model.variables` lists those states beside the
+    weights (Keras' `Layer.variables`), so the states are what it holds that
+    `model.weights` does not. Empty for a model without them, so its
+    checkpoints keep their layout.
+    """
+    weights = {id(w) for w in model.weights}
+    states = [getattr(v, "value", v) for v in model.variables if id(v) not in weights]
+    return {"random_state": states} if states else {}
+
+
 class ChiefCheckpointManager:
     """Saves `checkpoint` to `directory` on the chief, and to nowhere lasting elsewhere.
 

@@ -281,7 +281,8 @@ class Trainer:
         self._last_saved_step = None
         self._summary_writer = None
         if model_dir is not None:
-            self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+            self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                                   **checkpointing.random_state(model))
             self._checkpoints = checkpointing.ChiefCheckpointManager(
                 self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep,
                 replica_state=replica_state.ReplicaStateFiles(

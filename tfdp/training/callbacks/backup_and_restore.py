@@ -380,7 +380,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                     for name in _PROGRESS_NAMES
                 }
         return tf.train.Checkpoint(
-            model=model, optimizer=optimizer, progress=tf.train.Checkpoint(**self._progress)
+            model=model, optimizer=optimizer, progress=tf.train.Checkpoint(**self._progress),
+            **checkpointing.random_state(model),
         )
 
     def _refuse(self, problem: str, error: Exception | None = None):
