@@ -239,3 +239,15 @@ def test_resume_on_another_replica_count_is_refused_before_anything_changes(stra
         trainer.train(dataset(), steps=STEPS)
     assert checkpoint_files() == before
     np.testing.assert_array_equal(model.get_weights()[0], INITIAL[0])
+
+
+def test_weights_gathered_in_several_buckets_equal_one(strategies, monkeypatch):
+    """With a 32-byte bound every variable is gathered on its own: the same result."""
+    from tfdp.distribute import optimizer_sharding
+
+    monkeypatch.setattr(optimizer_sharding, "GATHER_BUCKET_BYTES", 32)
+    strategy = strategies[2]
+    sharded = fit(strategy, "adam", True)
+    assert len(sharded.optimizer.sharding._buckets()) == 4
+    plain = fit(strategy, "adam", False)
+    assert_same_state(strategy, sharded, plain)

@@ -71,6 +71,11 @@ _WHOLE_VARIABLE = tuple(
 )
 
 
+#: Bytes of gathered weights one all-gather carries at most (a larger
+#: variable takes one of its own): bounds the step's temporary buffers.
+GATHER_BUCKET_BYTES = 32 * 2**20
+
+
 def check_optimizer(optimizer) -> None:
     """Raises ValueError when `optimizer`'s update cannot be split element-wise across replicas."""
     name = type(optimizer).__name__
@@ -195,12 +200,17 @@ class OptimizerSharding:
         return sum(int(s.shape[0]) for s in self.shards)
 
     def _chunk(self, context, tensor, variable):
+        """This replica's `[S]` chunk of `tensor` (shaped like `variable`), zero-padded.
+
+        Slices before padding, so only S elements are copied, never the
+        whole tensor.
+        """
         size = int(self.shards[self._index[id(variable)]].shape[0])
         flat = tf.reshape(tensor, [-1])
-        padding = size * self.num_shards - _num_elements(variable)
-        if padding:
-            flat = tf.pad(flat, [[0, padding]])
-        return tf.reshape(flat, [self.num_shards, size])[context.replica_id_in_sync_group]
+        start = tf.cast(context.replica_id_in_sync_group, tf.int32) * size
+        chunk = flat[start:start + size]  # clamped at the end: shorter, or empty
+        chunk = tf.pad(chunk, [[0, size - tf.shape(chunk)[0]]])
+        return tf.ensure_shape(chunk, [size])
 
     def load_weights(self, context: tf.distribute.ReplicaContext) -> None:
         """Copies this replica's chunk of every weight into its shard variable (replica context)."""
@@ -234,16 +244,35 @@ class OptimizerSharding:
         (summed,) = reduction.all_reduce_sum(context, [local])
         self.terms.assign(summed)
 
+    def _buckets(self) -> list[list[int]]:
+        """Shard indices grouped for the all-gathers: one dtype, at most `GATHER_BUCKET_BYTES` each.
+
+        Consecutive variables share a bucket (one collective) until it would
+        hold more than the bound; a larger variable gets its own. Bounded so
+        that the gathered buffer (N times the bucket) and the copies cut from
+        it stay small beside the weights.
+        """
+        buckets, current, current_bytes, dtype = [], [], 0, None
+        for index, shard in enumerate(self.shards):
+            size = int(shard.shape[0]) * tf.as_dtype(shard.dtype).size * self.num_shards
+            if current and (shard.dtype != dtype
+                            or current_bytes + size > GATHER_BUCKET_BYTES):
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += size
+            dtype = shard.dtype
+        if current:
+            buckets.append(current)
+        return buckets
+
     def gather_weights(self, context: tf.distribute.ReplicaContext) -> None:
         """All-gathers the updated chunks; every replica assigns the full weights (replica context).
 
-        One all-gather per dtype: the chunks of all variables of that dtype are
+        One all-gather per bucket (`_buckets`): the bucket's chunks are
         concatenated, gathered into ``[N, sum S]`` and cut back per variable.
         """
-        by_dtype: dict = {}
-        for index, shard in enumerate(self.shards):
-            by_dtype.setdefault(shard.dtype, []).append(index)
-        for indices in by_dtype.values():
+        for indices in self._buckets():
             # tf.identity: under MultiWorkerMirroredStrategy a converted
             # variable has no device, which collectives refuse.
             local = tf.concat([tf.identity(self.shards[i]) for i in indices], axis=0)
