@@ -8,7 +8,11 @@ of the chief in the middle of a checkpoint write, and one SIGTERM (a
 preemption: every worker saves and exits 42). For `fit` and for `Trainer`:
 the run completes, every scheduled kill happened, the final step count is the
 planned one, each example of each epoch is in the surviving state exactly
-once, and the final weights equal an uninterrupted run's.
+once, and the final weights equal an uninterrupted run's. Each attempt
+resumes exactly where it must: after a SIGKILL before step s, from the last
+checkpoint before it; after a kill inside the write of checkpoint s, from
+the one before (the half-written one is not used). These cover what
+`test_fault_tolerance.py`'s single-kill cases checked.
 """
 
 from __future__ import annotations
@@ -53,6 +57,19 @@ def kill_schedule(seed: int, kills: int = KILLS) -> list[str]:
     return schedule
 
 
+def expected_resume(stop: str, start: int) -> int | None:
+    """Where the attempt after `stop` (one schedule entry) resumes, from `start`; None: a save."""
+    _, step, *where = stop.split("@")[0].split(":")
+    offset = int(step)
+    if where == ["term"]:
+        return None  # saved after the step that was running, wherever the loop ends
+    if where == ["save"]:
+        return start + offset - job.SAVE_EVERY  # the checkpoint before the half-written one
+    # Killed before step start + offset: the last checkpoint of the steps done.
+    done = start + offset - 1
+    return done - done % job.SAVE_EVERY
+
+
 def test_kill_schedule_is_seeded_and_mixes_every_kind():
     schedule = kill_schedule(7)
     assert schedule == kill_schedule(7) != kill_schedule(8)
@@ -76,6 +93,9 @@ def test_random_kills_leave_the_run_as_if_never_stopped(tmp_path, loop, seed):
     assert attempts == KILLS + 1, (schedule, restarts)
     starts = [_start_step(tmp_path, a) for a in range(attempts)]
     assert starts == sorted(starts), starts  # nothing committed was ever lost
+    for attempt, stop in enumerate(schedule):
+        want = expected_resume(stop, starts[attempt])
+        assert want is None or starts[attempt + 1] == want, (stop, starts)
     _assert_finished_like_an_uninterrupted_run(tmp_path, nproc=2)
     _assert_each_example_once_per_epoch(_surviving_ids(tmp_path, attempts=attempts))
     # Steps trained by an attempt after the checkpoint the next one resumed from.
