@@ -56,13 +56,6 @@ import tensorflow as tf
 
 from tfdp.distribute import reduction
 
-#: Keras optimizers whose update is per element: safe to shard.
-_PER_ELEMENT = tuple(
-    getattr(keras.optimizers, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
-                 "Adadelta", "Ftrl", "Lion")
-    if hasattr(keras.optimizers, name)
-)
 #: Keras optimizers whose update needs a whole variable or more.
 _WHOLE_VARIABLE = tuple(
     getattr(keras.optimizers, name)
@@ -125,11 +118,6 @@ def takes_norm_terms(optimizer) -> bool:
     """
     return bool(getattr(optimizer, "updates_whole_variables", False)
                 and callable(getattr(optimizer, "norm_terms", None)))
-
-
-def is_known_per_element(optimizer) -> bool:
-    """Whether `optimizer` is a Keras optimizer known to update element by element."""
-    return isinstance(optimizer, _PER_ELEMENT)
 
 
 def shard_size(num_elements: int, num_shards: int) -> int:
