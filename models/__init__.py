@@ -14,7 +14,10 @@ Every model maps one batch of examples to float32 logits of shape
 activations in the backward pass (`tfdp.models.remat`); `sync_bn=True` (the
 ResNets) synchronises batch normalisation statistics over the global batch.
 
-Register your own with `@tfdp.models.register("name")`. The library never
+Each declares what one example must be (`input_requirements(name)`: images of
+a minimum size, fixed-shape features, or token ids), so `tfdp-train` checks a
+dataset against a model before building anything. Register your own with
+`@tfdp.models.register("name", inputs=InputRequirements(...))`. The library never
 imports this package: `tfdp-train` (`tfdp.app`) passes `models.get` to
 `tfdp.app.experiment`.
 """
@@ -25,8 +28,10 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from tfdp.models.registry import accepts  # noqa: E402
 from tfdp.models.registry import get  # noqa: E402
+from tfdp.models.registry import input_requirements  # noqa: E402
 from tfdp.models.registry import names  # noqa: E402
 from tfdp.models.registry import register  # noqa: E402
+from tfdp.models.requirements import InputRequirements  # noqa: E402
 
 # Importing the family modules registers their builders.
 from tfdp.models import cnn as _cnn  # noqa: E402, F401
@@ -38,6 +43,8 @@ from tfdp.models import transformer as _transformer  # noqa: E402, F401
 __all__ = [
     "accepts",
     "get",
+    "input_requirements",
+    "InputRequirements",
     "names",
     "register",
 ]

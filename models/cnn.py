@@ -15,11 +15,13 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import requirements
 
 NAME = "cnn"
 
 
-@registry.register(NAME)
+@registry.register(NAME, inputs=requirements.InputRequirements(kinds=("images",),
+                                                                min_image_size=2))
 def cnn(
     *,
     input_shape: Sequence[int],

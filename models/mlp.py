@@ -14,11 +14,12 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import requirements
 
 NAME = "mlp"
 
 
-@registry.register(NAME)
+@registry.register(NAME, inputs=requirements.IMAGES_OR_FEATURES)
 def mlp(
     *,
     input_shape: Sequence[int],

@@ -20,12 +20,15 @@ from typing import Callable
 
 import keras
 
+from tfdp.models.requirements import InputRequirements
+
 Builder = Callable[..., keras.Model]
 
 #: Keyword arguments every builder must accept; the caller passes them.
 REQUIRED_ARGUMENTS = ("input_shape", "num_classes")
 
 _BUILDERS: dict[str, Builder] = {}
+_INPUTS: dict[str, InputRequirements] = {}
 
 
 def names() -> list[str]:
@@ -62,6 +65,18 @@ def accepts(name: str, argument: str) -> bool:
     return argument in keywords
 
 
+def input_requirements(name: str) -> InputRequirements | None:
+    """What the registered model `name` needs from one example, or None if undeclared.
+
+    Raises:
+        ValueError: `name` is not registered.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"Unknown model {name!r}. Known models: {', '.join(names())}. "
+                         f"Received: name={name!r}")
+    return _INPUTS.get(name)
+
+
 def _describe(fn) -> str:
     """`module.qualname` of a function, or its repr (e.g. a functools.partial)."""
     qualname = getattr(fn, "__qualname__", None)
@@ -78,7 +93,8 @@ def _check_free(name: str) -> None:
         )
 
 
-def register(name: str, builder: Builder | None = None):
+def register(name: str, builder: Builder | None = None, *,
+             inputs: InputRequirements | None = None):
     """Registers a model builder under `name`, as a decorator or a call.
 
     Args:
@@ -87,6 +103,10 @@ def register(name: str, builder: Builder | None = None):
         builder: a function `(*, input_shape, num_classes, **options) ->
             keras.Model` returning logits of shape `(batch, num_classes)`.
             When omitted, `register(name)` returns a decorator.
+        inputs: what one example must be (`models.InputRequirements`), so
+            programs check a dataset against the model before building
+            anything (`tfdp-train` refuses a misfit with exit 2). Defaults to
+            None: not declared, only the builder's own checks apply.
 
     Returns:
         `builder` itself (or a decorator that registers and returns it).
@@ -95,7 +115,8 @@ def register(name: str, builder: Builder | None = None):
         ValueError: `name` is not a valid name or is already registered, or
             `builder` does not accept the keyword arguments `input_shape` and
             `num_classes`.
-        TypeError: `builder` is not callable.
+        TypeError: `builder` is not callable, or `inputs` is not an
+            `InputRequirements`.
 
     Example:
 
@@ -115,6 +136,9 @@ def register(name: str, builder: Builder | None = None):
             f"Received: name={name!r}"
         )
     _check_free(name)
+    if inputs is not None and not isinstance(inputs, InputRequirements):
+        raise TypeError(f"`inputs` of model {name!r} must be a models.InputRequirements or "
+                        f"None. Received: inputs={inputs!r}")
 
     def add(fn: Builder) -> Builder:
         if not callable(fn):
@@ -135,6 +159,8 @@ def register(name: str, builder: Builder | None = None):
             )
         _check_free(name)  # Again: it may have been taken since `register(name)`.
         _BUILDERS[name] = fn
+        if inputs is not None:
+            _INPUTS[name] = inputs
         return fn
 
     return add if builder is None else add(builder)

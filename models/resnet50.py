@@ -17,6 +17,7 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import requirements
 from tfdp.models import remat as remat_lib
 
 NAME = "resnet50"
@@ -24,7 +25,8 @@ NAME = "resnet50"
 MIN_SIZE = 32
 
 
-@registry.register(NAME)
+@registry.register(NAME, inputs=requirements.InputRequirements(kinds=("images",),
+                                                                min_image_size=MIN_SIZE))
 def resnet50(*, input_shape: Sequence[int], num_classes: int, remat: bool = False,
              sync_bn: bool = False) -> keras.Model:
     """Builds ResNet-50 (He et al., 2016) with random weights.

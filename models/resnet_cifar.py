@@ -23,6 +23,7 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import requirements
 from tfdp.models import remat as remat_lib
 
 #: Filters of the three stages.
@@ -151,7 +152,7 @@ def _register(depth: int) -> None:
         f"Builds ResNet-{depth} for CIFAR ({(depth - 2) // 6} blocks per stage); "
         f"see `resnet_cifar` for the arguments."
     )
-    registry.register(f"resnet{depth}", build)
+    registry.register(f"resnet{depth}", build, inputs=requirements.IMAGES)
 
 
 for _depth in DEPTHS:

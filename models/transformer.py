@@ -20,6 +20,7 @@ import keras
 
 from tfdp.models import common
 from tfdp.models import registry
+from tfdp.models import requirements
 from tfdp.models import remat as remat_lib
 
 NAME = "transformer"
@@ -103,7 +104,7 @@ def _encoder_block(x, *, num_heads: int, hidden: int, intermediate: int, dropout
     return x
 
 
-@registry.register(NAME)
+@registry.register(NAME, inputs=requirements.TOKENS)
 def transformer(
     *,
     input_shape: Sequence[int],

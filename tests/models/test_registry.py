@@ -13,6 +13,7 @@ DOCUMENTED_MODELS = ["cnn", "mlp", "resnet20", "resnet32", "resnet50", "resnet56
 def scratch_registry(monkeypatch):
     """Lets a test register models without leaking them into other tests."""
     monkeypatch.setattr(registry, "_BUILDERS", dict(registry._BUILDERS))
+    monkeypatch.setattr(registry, "_INPUTS", dict(registry._INPUTS))
 
 
 def _tiny(*, input_shape, num_classes, units=4):
@@ -21,8 +22,9 @@ def _tiny(*, input_shape, num_classes, units=4):
     return keras.Model(inputs, keras.layers.Dense(num_classes, dtype="float32")(x))
 
 
-def test_public_surface_is_accepts_get_names_register():
-    assert models.__all__ == ["accepts", "get", "names", "register"]
+def test_public_surface_is_pinned():
+    assert models.__all__ == ["accepts", "get", "input_requirements", "InputRequirements",
+                              "names", "register"]
 
 
 def test_accepts_says_which_models_take_remat_and_sync_bn():
@@ -112,3 +114,23 @@ def test_get_refuses_builders_that_return_no_model(scratch_registry):
     models.register("not_a_model", lambda *, input_shape, num_classes: "model")
     with pytest.raises(TypeError, match="must return a keras.Model. Received: str"):
         models.get("not_a_model", input_shape=(2,), num_classes=2)
+
+
+def test_every_registered_model_declares_its_inputs():
+    declared = {name: models.input_requirements(name) for name in models.names()}
+    assert all(isinstance(r, models.InputRequirements) for r in declared.values()), declared
+    assert declared["transformer"].kinds == ("tokens",)
+    assert declared["resnet50"].min_image_size == 32
+    assert declared["mlp"].kinds == ("images", "features")
+
+
+def test_register_keeps_declared_inputs_and_refuses_other_values(scratch_registry):
+    inputs = models.InputRequirements(kinds=("features",))
+    models.register("tiny_declared", _tiny, inputs=inputs)
+    assert models.input_requirements("tiny_declared") is inputs
+    models.register("tiny_undeclared", _tiny)
+    assert models.input_requirements("tiny_undeclared") is None
+    with pytest.raises(TypeError, match="must be a models.InputRequirements"):
+        models.register("tiny_bad", _tiny, inputs={"kinds": ("features",)})
+    with pytest.raises(ValueError, match="non-empty subset"):
+        models.InputRequirements(kinds=("pixels",))
