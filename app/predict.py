@@ -169,9 +169,13 @@ def main(argv: Sequence[str]) -> None:
     except UsageError as error:
         print(f"tfdp-predict: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except (startup.StartupError, peer_failures.PeerFailureError) as error:
+    except startup.StartupError as error:
         print(f"tfdp-predict: error: {error}", file=sys.stderr)
         sys.exit(1)
+    except peer_failures.PeerFailureError as error:
+        # 43 for a lost peer (schedulers retry it), 1 for a stuck one.
+        print(f"tfdp-predict: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
 
 
 def run() -> None:

@@ -111,8 +111,9 @@ Restart policy (--restart_policy):
   ExitCode  (default) COMMAND runs under `tfdp-launch tfjob-worker`, which
             forwards SIGTERM and maps exit codes onto the operator's: 2
             (configuration error) and other errors fail the job; 42 (preempted,
-            state saved; reported as 138), 143 (SIGTERM) and 137 (SIGKILL)
-            re-create the pod. Not counted against --backoff_limit.
+            state saved) and 43 (a peer worker was lost), both reported as
+            138, 143 (SIGTERM) and 137 (SIGKILL) re-create the pod. Not
+            counted against --backoff_limit.
   OnFailure every non-zero exit restarts the container, up to --backoff_limit
             restarts over the whole job.
   Never     no restart.
@@ -393,7 +394,8 @@ def _main_tfjob_worker(argv: Sequence[str]) -> int:
                     "`tfdp-launch k8s` writes under restartPolicy ExitCode): SIGTERM and "
                     "SIGINT are forwarded to it, and its exit status is mapped onto the "
                     "Training Operator's retryable codes: 42 (preempted, state saved) "
-                    "becomes 138, death by signal N becomes 128+N, others are kept.",
+                    "and 43 (a peer worker was lost) become 138, death by signal N becomes "
+                    "128+N, others are kept.",
     )
     _, command = _split_command(parser, argv, "tfdp-launch tfjob-worker -- tfdp-train")
     return tfjob_worker.run(command)

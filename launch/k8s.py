@@ -23,9 +23,12 @@ Restarts (`restartPolicy` of the worker replicas):
   retryable exit code and fails the job otherwise; the container runs
   COMMAND through `tfdp-launch tfjob-worker`, which forwards SIGTERM to it
   and maps tfdp's codes onto the operator's (see `tfdp.launch.tfjob_worker`):
-  a configuration error (2) is permanent, a preemption save (42, reported as
-  138) and SIGTERM/SIGKILL (143/137) are retried. Those re-creations are not
-  counted against `backoffLimit` (the operator's rule).
+  a configuration error (2) and other errors (1) are permanent; a preemption
+  save (42), a lost peer (43: another worker was killed, so this one's
+  collectives failed; both reported as 138) and SIGTERM/SIGKILL (143/137)
+  are retried, so when one worker pod is killed every worker is re-created
+  and the job resumes. Those re-creations are not counted against
+  `backoffLimit` (the operator's rule).
 - `OnFailure`: every non-zero exit restarts the container in place, up to
   `runPolicy.backoffLimit` restarts over the whole job, configuration errors
   included.
@@ -382,9 +385,10 @@ def to_yaml(spec: TFJobSpec) -> str:
               "training operator sets each pod's TF_CONFIG.\n")
     if spec.restart_policy == "ExitCode":
         header += ("# restartPolicy ExitCode: exit 2 (configuration error) fails the job; a "
-                   f"preemption save ({tfjob_worker.PREEMPTION_EXIT_CODE}, reported as "
-                   f"{tfjob_worker.OPERATOR_USER_RETRYABLE}), SIGTERM (143) or SIGKILL (137)\n"
-                   "# re-creates the pod; any other code fails the job.\n")
+                   f"preemption save ({tfjob_worker.PREEMPTION_EXIT_CODE}) or a lost peer "
+                   f"({tfjob_worker.PEER_LOST_EXIT_CODE}), both reported as "
+                   f"{tfjob_worker.OPERATOR_USER_RETRYABLE},\n# SIGTERM (143) or SIGKILL (137) "
+                   "re-creates the pod; any other code fails the job.\n")
     if spec.pvc is not None:
         header += (f"# PersistentVolumeClaim {spec.pvc} is mounted at {spec.mount_path} in "
                    "every worker; it must exist in the job's namespace.\n")

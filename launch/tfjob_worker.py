@@ -13,9 +13,23 @@ code fails the job for good. tfdp's codes map onto that as follows:
 | 0            | done                                    | 0               | succeeded  |
 | 2            | configuration error (`tfdp-train` flags)| 2               | permanent  |
 | 42           | preempted: SIGTERM, saved, exited       | 138             | retryable  |
+| 43           | a peer was lost: another worker was     | 138             | retryable  |
+|              | killed, crashed or restarted            |                 |            |
 | 128+N        | killed by signal N (137 SIGKILL/OOM,    | 128+N           | 130/137/143|
 |              | 143 SIGTERM)                            |                 | retryable  |
-| other (1...) | an error (traceback, a peer failed)     | unchanged       | permanent  |
+| other (1...) | an error (traceback; a stuck peer, i.e. | unchanged       | permanent  |
+|              | a collective timeout)                   |                 |            |
+
+So when one worker pod is killed (137) the others, whose collectives then
+fail, exit 43 (`tfdp.distribute.peer_failures.PEER_LOST_EXIT_CODE`; within
+about 10 s, TensorFlow's heartbeat) and are re-created too: the whole job
+starts again and resumes from its `--model_dir`. A worker that fails with an
+error of its own (1, 2) still fails the job: the operator marks the job
+failed when any replica fails with a permanent code, whatever its peers
+exit with. tfdp's own programs (`tfdp-train`, `tfdp-predict`) exit 43 for
+a lost peer; a program of your own does so by running its training inside
+`tfdp.distribute.peer_failures.explain_peer_failures()` and exiting with
+the `PeerFailureError`'s `exit_code`.
 
 `run` starts COMMAND as a child (the container's PID 1 stays this process),
 forwards SIGTERM and SIGINT to it (the kubelet signals PID 1 only: without
@@ -36,8 +50,13 @@ from tfdp.launch.signals import SignalCatcher
 
 #: tfdp's exit status after a SIGTERM-triggered save (`tfdp.distribute.preemption`).
 PREEMPTION_EXIT_CODE = 42
+#: tfdp's exit status after losing a peer worker
+#: (`tfdp.distribute.peer_failures.PEER_LOST_EXIT_CODE`; not imported: no TensorFlow here).
+PEER_LOST_EXIT_CODE = 43
 #: tfdp's exit status for invalid flags or configuration: retrying cannot help.
 CONFIG_ERROR_EXIT_CODE = 2
+#: tfdp's exit codes reported to the operator as `OPERATOR_USER_RETRYABLE`.
+TFDP_RETRYABLE = frozenset({PREEMPTION_EXIT_CODE, PEER_LOST_EXIT_CODE})
 #: The Training Operator's exit code for "user-defined retryable" (128 + SIGUSR1).
 OPERATOR_USER_RETRYABLE = 138
 #: Exit codes the operator retries under `restartPolicy: ExitCode`.
@@ -49,13 +68,13 @@ RESTART_POLICIES = ("ExitCode", "OnFailure", "Never", "Always")
 def container_exit_code(returncode: int) -> int:
     """The container's exit code for a worker's `Popen.returncode`.
 
-    42 (preempted and saved) becomes `OPERATOR_USER_RETRYABLE`; death by
-    signal N (a negative returncode) becomes 128 + N, as a shell reports it;
-    every other code is kept.
+    42 (preempted and saved) and 43 (a peer worker was lost) become
+    `OPERATOR_USER_RETRYABLE`; death by signal N (a negative returncode)
+    becomes 128 + N, as a shell reports it; every other code is kept.
     """
     if returncode < 0:
         return 128 - returncode
-    if returncode == PREEMPTION_EXIT_CODE:
+    if returncode in TFDP_RETRYABLE:
         return OPERATOR_USER_RETRYABLE
     return returncode
 
@@ -106,8 +125,12 @@ def run(command: Sequence[str]) -> int:
                 forwarded += 1
     code = container_exit_code(returncode)
     if code != returncode:
-        what = (f"was killed by {_signal_name(-returncode)}" if returncode < 0
-                else "was preempted and saved its state (exit 42)")
+        if returncode < 0:
+            what = f"was killed by {_signal_name(-returncode)}"
+        elif returncode == PREEMPTION_EXIT_CODE:
+            what = f"was preempted and saved its state (exit {returncode})"
+        else:
+            what = f"lost a peer worker (exit {returncode})"
         verdict = ("re-creates the pod" if code in OPERATOR_RETRYABLE
                    else "fails the job (not a retryable code)")
         print(f"[tfjob-worker] the worker {what}; exiting {code}: a TFJob with "

@@ -47,6 +47,59 @@ def test_a_dead_peer_is_named_with_its_address():
     assert "(TensorFlow: Collective ops is aborted by:" in message
 
 
+# Recorded from a survivor (TensorFlow 2.21) when worker 1 was SIGKILLed and
+# started again before the heartbeat timed out, and when the chief was SIGKILLed.
+_RESTARTED = (
+    "Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call "
+    "last):\nCollective ops is aborted by: Error reported from /job:worker/task:1: "
+    "/job:worker/replica:0/task:1 unexpectedly tried to connect with a different incarnation. "
+    "It has likely restarted.\nThe error could be from a previous operation. Restart your "
+    "program to reset.\n\t [[{{node CollectiveReduceV2}}]]")
+_RESET = ("Collective ops is aborted by: recvmsg:Connection reset by peer\nAdditional GRPC error "
+          "information from remote target /job:worker/replica:0/task:0 while calling "
+          "/tensorflow.WorkerService/CompleteInstance:")
+
+
+def test_a_restarted_peer_is_named_and_says_this_worker_must_start_again():
+    message = peer_failures.peer_failure_message(
+        tf.errors.AbortedError(None, None, _RESTARTED), _config(0), None)
+    assert message.startswith("Worker 1 (127.0.0.1:2223) was restarted while worker 0")
+    assert "This worker must start again too" in message
+
+
+@pytest.mark.parametrize("error,lost", [
+    (tf.errors.UnavailableError(None, None, _HEARTBEAT.replace("task:1", "task:0")), True),
+    (tf.errors.UnavailableError(None, None, _RESET), True),
+    (tf.errors.AbortedError(None, None, _RESTARTED.replace("task:1", "task:0")), True),
+    (tf.errors.DeadlineExceededError(None, None, _TIMED_OUT), False),
+])
+def test_a_lost_peer_exits_43_and_a_stuck_one_1(error, lost):
+    environ = {"TF_CONFIG": _config(1).to_json()}
+    with pytest.raises(peer_failures.PeerFailureError) as info:
+        with peer_failures.explain_peer_failures(collective_timeout=5, environ=environ):
+            raise error
+    assert isinstance(info.value, peer_failures.PeerLostError) is lost
+    assert info.value.exit_code == (43 if lost else 1)
+    assert info.value.__cause__ is error
+
+
+def test_other_aborted_errors_pass_through():
+    environ = {"TF_CONFIG": _config(1).to_json()}
+    with pytest.raises(tf.errors.AbortedError):
+        with peer_failures.explain_peer_failures(environ=environ):
+            raise tf.errors.AbortedError(None, None, "Collective ops is aborted by: cancelled")
+
+
+def test_the_launchers_exit_codes_are_the_librarys():
+    # tfdp.launch keeps its own copies (it imports no TensorFlow).
+    from tfdp.distribute import preemption
+    from tfdp.launch import sbatch, tfjob_worker
+
+    assert tfjob_worker.PEER_LOST_EXIT_CODE == peer_failures.PEER_LOST_EXIT_CODE == 43
+    assert (tfjob_worker.PREEMPTION_EXIT_CODE == sbatch.PREEMPTION_EXIT_CODE
+            == preemption.PREEMPTION_EXIT_CODE == 42)
+
+
 def test_peer_failures_outside_a_multi_worker_job_pass_through(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(tf.errors.DeadlineExceededError):

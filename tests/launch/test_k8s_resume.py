@@ -10,6 +10,7 @@
 """
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -126,6 +127,7 @@ def _run_container(manifest, *, env=None):
     (2, 2, False),       # configuration error: permanent
     (1, 1, False),       # any other error: permanent
     (42, 138, True),     # preempted and saved: retryable
+    (43, 138, True),     # a peer worker was lost: retryable
 ])
 def test_exit_code_policy_restarts_preemption_and_not_configuration_errors(
         tmp_path, worker_exit, container_exit, restarted):
@@ -195,8 +197,8 @@ def test_operator_rule(policy, code, restarted):
 
 
 def test_container_exit_codes():
-    assert [tfjob_worker.container_exit_code(c) for c in (0, 1, 2, 42, -9, -15, 143)] == [
-        0, 1, 2, 138, 137, 143, 143]
+    assert [tfjob_worker.container_exit_code(c) for c in (0, 1, 2, 42, 43, -9, -15, 143)] == [
+        0, 1, 2, 138, 138, 137, 143, 143]
 
 
 def test_tfjob_worker_cannot_start_a_missing_program(capsys):
@@ -282,4 +284,151 @@ def test_tfjob_worker_is_on_path_as_the_manifest_expects():
     done = subprocess.run(["tfdp-launch", "tfjob-worker", "--help"], capture_output=True,
                           text=True, timeout=COMMAND_TIMEOUT, env=dict(os.environ))
     assert done.returncode == 0
-    assert "42 (preempted, state saved) becomes 138" in " ".join(done.stdout.split())
+    assert ("42 (preempted, state saved) and 43 (a peer worker was lost) become 138"
+            in " ".join(done.stdout.split()))
+
+
+# -- a killed worker pod: its peers are retried too, and the job resumes -------------------
+
+class _Operator:
+    """The Training Operator's worker loop, here: one process per worker "container".
+
+    Runs the manifest's container command for every worker with the TF_CONFIG
+    the operator would give it (addresses stay the same across re-creations,
+    as a pod's service name does), and re-creates a container that exits
+    with a code its replica's `restartPolicy` retries (`operator_restarts`).
+    Every process carries a marker variable so the test can check that none
+    is left behind.
+    """
+
+    def __init__(self, manifest, out_dir, *, restart_delay=1.0):
+        from multiworker import _environment, free_port_pair
+
+        port = free_port_pair()
+        self.addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+        self.policy = _worker(manifest)["restartPolicy"]
+        container = _container(manifest)
+        self.command = container["command"] + container["args"]
+        self.token = f"k8s-{os.getpid()}-{time.monotonic_ns()}"
+        self.environ = _environment({"PYTHONUNBUFFERED": "1"}, self.token)
+        self.out_dir = out_dir
+        self.restart_delay = restart_delay
+        self.running = {}          # index -> Popen
+        self.incarnation = [0] * len(self.addresses)
+        self.exits = []            # (index, incarnation, container exit code, seconds)
+        self.started = time.monotonic()
+
+    def start(self, index):
+        tf_config = {"cluster": {"worker": self.addresses},
+                     "task": {"type": "worker", "index": index}}
+        log = open(self.log_path(index, self.incarnation[index]), "wb")
+        with log:
+            self.running[index] = subprocess.Popen(
+                self.command, env={**self.environ, "TF_CONFIG": json.dumps(tf_config)},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def log_path(self, index, incarnation):
+        return self.out_dir / f"worker-{index}-{incarnation}.log"
+
+    def program_pid(self, index):
+        """The pid of the program `tfdp-launch tfjob-worker` runs in container `index`."""
+        pid = self.running[index].pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        assert len(children) == 1, (pid, children)
+        return int(children[0])
+
+    def run(self, *, until, timeout):
+        """Supervises the containers until every worker exits 0; returns False if the job failed."""
+        due = {}
+        deadline = time.monotonic() + timeout
+        while self.running or due:
+            until()
+            for index, process in list(self.running.items()):
+                if process.poll() is None:
+                    continue
+                del self.running[index]
+                code = process.returncode
+                self.exits.append((index, self.incarnation[index], code,
+                                   time.monotonic() - self.started))
+                if code != 0 and not tfjob_worker.operator_restarts(self.policy, code):
+                    return False  # a permanent failure fails the TFJob
+                if code != 0:
+                    self.incarnation[index] += 1
+                    due[index] = time.monotonic() + self.restart_delay
+            for index, when in list(due.items()):
+                if time.monotonic() >= when:
+                    del due[index]
+                    self.start(index)
+            assert time.monotonic() < deadline, f"the job did not finish: {self.exits}"
+            time.sleep(0.1)
+        return True
+
+    def stop(self):
+        """SIGKILLs and reaps every container left, and any process carrying the marker."""
+        from multiworker import marked_processes
+
+        for process in self.running.values():
+            process.kill()
+            process.wait()
+        for pid in marked_processes(self.token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def output(self):
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(self.out_dir.glob("worker-*.log")))
+
+
+@pytest.mark.slow
+def test_a_killed_worker_pod_and_its_peers_are_retried_and_the_job_resumes(tmp_path):
+    # One worker's program is SIGKILLed (an OOM kill) mid-run: its container
+    # exits 137, the survivor's collectives fail and it exits 43 (a lost peer),
+    # which its container reports as 138. Both are retryable under the
+    # manifest's policy, so every worker is re-created and the job resumes
+    # from the volume instead of failing.
+    from multiworker import marked_processes
+
+    run_dir = tmp_path / "volume" / "run"
+    epochs, steps_per_epoch = 4, 22  # digits: 1437 examples, global batch 64
+    manifest = _write_manifest(
+        tmp_path, ["--pvc", "runs", "--mount_path", str(tmp_path / "volume")],
+        ["tfdp-train", "--dataset", "digits", "--model", "mlp", "--epochs", str(epochs),
+         "--model_dir", str(run_dir), "--checkpoint_every", "5", "--noeval"])
+    assert _worker(manifest)["restartPolicy"] == "ExitCode"
+    operator = _Operator(manifest, tmp_path)
+    killed = []
+
+    def kill_worker_1_after_its_first_backup():
+        if not killed and any(run_dir.glob("backup/ckpt-*.index")):
+            os.kill(operator.program_pid(1), signal.SIGKILL)
+            killed.append(time.monotonic() - operator.started)
+
+    try:
+        operator.start(0)
+        operator.start(1)
+        succeeded = operator.run(until=kill_worker_1_after_its_first_backup, timeout=420)
+    finally:
+        operator.stop()
+    described = f"exits (worker, incarnation, code, s): {operator.exits}\n{operator.output()}"
+    assert killed, described
+    assert succeeded, described
+    assert not marked_processes(operator.token)
+    first = {(index, incarnation): code for index, incarnation, code, _ in operator.exits}
+    assert first[(1, 0)] == 137, described
+    assert first[(0, 0)] == tfjob_worker.OPERATOR_USER_RETRYABLE, described
+    survivor = operator.log_path(0, 0).read_text()
+    assert "lost a peer worker (exit 43); exiting 138" in survivor, described
+    assert "Worker 1 (" in survivor, described  # the message names the lost peer
+    # The last incarnations resumed from the volume and finished the planned steps.
+    last = operator.log_path(0, operator.incarnation[0]).read_text()
+    resumed = re.search(r"resumed from \S+ at epoch \d+, batch \d+ \(step (\d+)\)", last)
+    assert resumed and int(resumed.group(1)) > 0, described
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == epochs * steps_per_epoch
+    survivor_exit = next(t for i, n, _, t in operator.exits if (i, n) == (0, 0))
+    print(f"\nSIGKILL at {killed[0]:.1f} s; survivor exited 138 {survivor_exit - killed[0]:.1f} s "
+          f"later; exits {operator.exits}; resumed at step {resumed.group(1)}; job done at "
+          f"{operator.exits[-1][3]:.1f} s")
