@@ -48,21 +48,34 @@ class DatasetSpec:
         num_classes: label classes.
         steps_per_epoch: optimizer steps (global batches) per epoch.
         num_examples: examples in the split.
+        split: the dataset's split this is, e.g. `"test"` for `EVAL`.
+            Defaults to None (not said).
+        model_arguments: model builder arguments that follow from the data
+            (e.g. `{"vocab_size": 1000}`), passed to `build_model`.
     """
 
     input_shape: tuple
     num_classes: int
     steps_per_epoch: int
     num_examples: int
+    split: str | None = None
+    model_arguments: dict = dataclasses.field(default_factory=dict)
+
+
+#: What `train_and_evaluate` asks `build_dataset` for: the training data, and
+#: the evaluation data (the builder picks the split: `--eval_split`).
+TRAIN = "train"
+EVAL = "eval"
 
 
 class BuildDataset(Protocol):
-    def __call__(self, split: str, *, training: bool, strategy: tf.distribute.Strategy,
+    def __call__(self, role: str, *, training: bool, strategy: tf.distribute.Strategy,
                  batch: BatchConfig, seed: int) -> tuple[Any, DatasetSpec]:
-        """Returns the dataset for `split` (global batches per step) and its spec."""
+        """Returns the dataset for `role` (`TRAIN` or `EVAL`; global batches per
+        step) and its spec, whose `split` says which split it read."""
 
 
-BuildModel = Callable[..., keras.Model]  # (name, *, input_shape, num_classes) -> model
+BuildModel = Callable[..., keras.Model]  # (name, *, input_shape, num_classes, **args) -> model
 
 #: Step decay: the learning rate is multiplied by this at 50% and 75% of training.
 STEP_DECAY_RATE = 0.1
@@ -151,12 +164,14 @@ def train_and_evaluate(
 
     Args:
         config: the run's options (already validated on construction).
-        build_dataset: builds a split's dataset and `DatasetSpec`.
-        build_model: `(name, *, input_shape, num_classes) -> keras.Model`,
-            logits out.
+        build_dataset: builds the training (`TRAIN`) or evaluation (`EVAL`)
+            dataset and its `DatasetSpec`.
+        build_model: `(name, *, input_shape, num_classes, **model_arguments)
+            -> keras.Model`, logits out; `model_arguments` are the training
+            `DatasetSpec`'s.
 
     Returns:
-        The summary: `train` and `eval` metrics, `batch`, `steps`,
+        The summary: `train` and `eval` metrics, `eval_split`, `model`, `batch`, `steps`,
         `examples_per_second`, `wall_time_seconds`, `learning_rate`,
         `strategy`, `config`.
 
@@ -188,7 +203,7 @@ def train_and_evaluate(
             raise ConfigError(f"--jit_compile: {error}") from None
 
     train_data, spec = build_dataset(
-        "train", training=True, strategy=strategy, batch=batch, seed=epoch_seed(config.seed, 0)
+        TRAIN, training=True, strategy=strategy, batch=batch, seed=epoch_seed(config.seed, 0)
     )
     steps_per_epoch = config.steps_per_epoch or spec.steps_per_epoch
     if steps_per_epoch > spec.steps_per_epoch:
@@ -201,7 +216,7 @@ def train_and_evaluate(
     with strategy.scope():
         keras.utils.set_random_seed(config.seed)
         model = build_model(config.model, input_shape=spec.input_shape,
-                            num_classes=spec.num_classes)
+                            num_classes=spec.num_classes, **spec.model_arguments)
         optimizer = make_optimizer(config, schedule)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if info.is_chief:
@@ -224,7 +239,7 @@ def train_and_evaluate(
         # run saw. `train_data` is handed out once, for epoch 0.
         if epoch == 0 and unused:
             return unused.pop()
-        return build_dataset("train", training=True, strategy=strategy, batch=batch,
+        return build_dataset(TRAIN, training=True, strategy=strategy, batch=batch,
                              seed=epoch_seed(config.seed, epoch))[0]
 
     train_started = time.perf_counter()
@@ -256,9 +271,11 @@ def train_and_evaluate(
     train_seconds = time.perf_counter() - train_started
 
     eval_logs: dict = {}
+    eval_split = None
     if config.eval:
-        eval_data, _ = build_dataset("test", training=False, strategy=strategy, batch=batch,
-                                     seed=config.seed)
+        eval_data, eval_spec = build_dataset(EVAL, training=False, strategy=strategy,
+                                             batch=batch, seed=config.seed)
+        eval_split = eval_spec.split
         if config.loop == "fit":
             eval_logs = _floats(eval_model.evaluate(eval_data, return_dict=True, verbose=0))
         else:
@@ -276,9 +293,10 @@ def train_and_evaluate(
     summary = {
         "train": _floats(train_logs),
         "eval": eval_logs,
+        "eval_split": eval_split,
         # What tfdp-predict rebuilds the model from.
         "model": {"name": config.model, "input_shape": list(spec.input_shape),
-                  "num_classes": spec.num_classes},
+                  "num_classes": spec.num_classes, "arguments": dict(spec.model_arguments)},
         **outputs,
         "batch": {
             "per_replica": batch.per_replica, "replicas": batch.num_replicas,

@@ -43,11 +43,16 @@ class RunConfig:
         accum_steps > 1 (models with BatchNormalization: the ResNets).
         dataset: registered source name (`pipelines`). data_dir: TFDS data directory (None: default).
         epochs: epochs to train. steps_per_epoch: optimizer steps per epoch
-        (None: the whole training split). eval: evaluate on the test split
+        (None: the whole training split). eval: evaluate on eval_split
         at the end. seed: seeds initialisation and shuffling.
+        eval_split: the split --eval reads (None: "test", else "validation";
+        `tfdp.app.compatibility.eval_split`). image_size: resize images to
+        this square size in pixels (None: as they are). sequence_length:
+        pad or truncate token sequences to this many tokens (None: the
+        dataset's longest).
         With dataset "tfrecord" (`tfdp.app.user_data`): train_files and
         eval_files (globs of tf.train.Example files), image_key, label_key,
-        image_size, image_channels, num_classes, train_examples.
+        image_channels, num_classes, train_examples.
 
     Where: strategy, cpu_replicas, cross_device_ops, communication,
         bytes_per_pack: see `tfdp.make_strategy`; collective_timeout: its
@@ -101,6 +106,8 @@ class RunConfig:
     image_channels: int = 3
     num_classes: int | None = None
     train_examples: int | None = None
+    sequence_length: int | None = None
+    eval_split: str | None = None
 
     strategy: str = "auto"
     cpu_replicas: int | None = None
@@ -170,6 +177,15 @@ class RunConfig:
                               f"each replica sends). Received: --topk_fraction={self.topk_fraction!r}")
         self._validate_local_steps()
         _positive("train_examples", self.train_examples, allow_none=True)
+        _positive("image_size", self.image_size, allow_none=True, hint=" (pixels)")
+        _positive("sequence_length", self.sequence_length, allow_none=True, hint=" (tokens)")
+        if self.eval_split is not None:
+            if not isinstance(self.eval_split, str) or not self.eval_split.strip():
+                raise ConfigError("--eval_split must name a split of --dataset, e.g. test or "
+                                  f"validation. Received: --eval_split={self.eval_split!r}")
+            if not self.eval:
+                raise ConfigError(f"--eval_split={self.eval_split} has nothing to pick with "
+                                  f"--noeval. Drop one of them.")
         try:
             user_data.check_train_flags(
                 self.dataset, {name: getattr(self, name) for name in user_data.TRAIN_FLAGS},

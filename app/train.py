@@ -7,13 +7,15 @@
 This is the entry point that wires `tfdp.pipelines` (data) and `tfdp.models`
 into `tfdp.app.experiment.train_and_evaluate`, which takes them as arguments
 (the library below never imports them; `tests/test_layout.py`). It reads and
-validates flags into one `RunConfig`, then calls it: invalid or contradictory flags exit with
-status 2 and one line naming the flag, before any training or collective.
+validates flags into one `RunConfig`, checks the model against the dataset and
+its splits (`tfdp.app.compatibility`: kind, rank, dtype, image size, classes,
+token padding), then calls it: invalid or contradictory flags and misfits exit
+with status 2 and one line naming the flags and the fix, before any training
+or collective.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from typing import Sequence
@@ -25,6 +27,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tfdp.distribute import reduction  # noqa: E402
+from tfdp.app import compatibility  # noqa: E402
+from tfdp.app import data_description  # noqa: E402
 from tfdp.app import run_config  # noqa: E402
 from tfdp.app import user_data  # noqa: E402
 from tfdp.app.process_logging import configure_logging  # noqa: E402
@@ -54,7 +58,16 @@ flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDP_DATA_
 flags.DEFINE_integer("epochs", _D.epochs, "Epochs to train.")
 flags.DEFINE_integer("steps_per_epoch", None, "Optimizer steps per epoch (default: the whole "
                      "training split).")
-flags.DEFINE_bool("eval", _D.eval, "Evaluate on the test split at the end.")
+flags.DEFINE_bool("eval", _D.eval, "Evaluate at the end, on --eval_split.")
+flags.DEFINE_string("eval_split", None, "The split --eval reads (default: test, else "
+                    "validation; a dataset with neither is refused, listing its splits).")
+flags.DEFINE_integer("image_size", None, "Resize images to this square size in pixels, in the "
+                     "input pipeline (e.g. 32 for --model=resnet50 on the 8x8 digits); with "
+                     "--dataset=tfrecord, as they are decoded (default: the first record's "
+                     "size, which every image must have).")
+flags.DEFINE_integer("sequence_length", None, "Pad (with id 0) or truncate token sequences to "
+                     "this many tokens (default: the dataset's longest, e.g. 64 for "
+                     "synthetic_tokens).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for initialisation and shuffling.")
 # Your own data: --dataset=tfrecord.
 flags.DEFINE_string("train_files", None, "With --dataset=tfrecord: glob(s), comma-separated, of "
@@ -64,8 +77,6 @@ flags.DEFINE_string("eval_files", None, "With --dataset=tfrecord: the files --ev
 flags.DEFINE_string("image_key", _D.image_key, "With --dataset=tfrecord: the feature holding "
                     "the JPEG or PNG bytes.")
 flags.DEFINE_string("label_key", _D.label_key, "With --dataset=tfrecord: the int64 class feature.")
-flags.DEFINE_integer("image_size", None, "With --dataset=tfrecord: resize images to this square "
-                     "size (default: the first record's size, which every image must have).")
 flags.DEFINE_integer("image_channels", _D.image_channels, "With --dataset=tfrecord: decode "
                      "images to this many channels (1, 3 or 4).")
 flags.DEFINE_integer("num_classes", None, "With --dataset=tfrecord or python:...: label classes "
@@ -183,32 +194,70 @@ def dataset_source(config: run_config.RunConfig):
     return user_data.train_options(config, count_cache_dir=config.model_dir).source()
 
 
-def _build_dataset(config: run_config.RunConfig):
+def _eval_split(config: run_config.RunConfig, source, data) -> str:
+    """The split --eval reads, checked against the built source (exit 2 if it has none)."""
+    if data.splits is not None or config.dataset == user_data.TFRECORD:
+        return compatibility.eval_split(config.eval_split, data)
+    # A source that does not list its splits (your python: Source): ask it.
+    candidates = ([config.eval_split] if config.eval_split is not None
+                  else list(compatibility.DEFAULT_EVAL_SPLITS))
+    errors = []
+    for split in candidates:
+        try:
+            source.check_split(split)
+            return split
+        except ValueError as error:
+            errors.append(str(error))
+    raise compatibility.IncompatibleError(
+        f"--dataset={config.dataset} has no split {' or '.join(map(repr, candidates))} to "
+        f"evaluate on ({errors[-1]}). Pass --eval_split=NAME, or --noeval.")
+
+
+def _build_dataset(config: run_config.RunConfig, before=None):
+    """`build_dataset` for `experiment.train_and_evaluate`.
+
+    The source is made on first use, once the strategy exists, then kept (its
+    counts are read once); it is then described exactly and checked against
+    the model again (`tfdp.app.compatibility`): your `python:` data and the
+    size of your TFRecord images are known only now. A misfit still exits 2
+    before the model is built or a step runs.
+
+    Args:
+        config: the run's options.
+        before: what `data_description.describe_before_strategy` said.
+    """
     from tfdp import pipelines
 
-    from tfdp.app.experiment import DatasetSpec
+    from tfdp.app import experiment
 
-    made = []
+    made = {}
 
-    def source():
-        # Made on first use, once the strategy exists, then kept: its counts
-        # are read once.
-        if not made:
-            made.append(dataset_source(config))
-        return made[0]
+    def prepare():
+        if made:
+            return made
+        source = dataset_source(config)
+        if isinstance(source, str):  # a registered or TFDS name: its Source says more
+            source = pipelines.get_source(source, data_dir=config.data_dir)
+        info = pipelines.describe_source(source, split="train", data_dir=config.data_dir)
+        data = data_description.describe_source(config.dataset, source, info, before=before)
+        made["plan"] = compatibility.check(
+            config.model, data, image_size=config.image_size,
+            sequence_length=config.sequence_length, num_classes=config.num_classes)
+        made["eval_split"] = _eval_split(config, source, data) if config.eval else None
+        made["source"] = source
+        return made
 
-    def build(split, *, training, strategy, batch, seed):
-        # Dataset-specific preprocessing lives in pipelines: images are scaled
-        # to [0, 1]; other sources pass through.
-        source_info = pipelines.describe_source(source(), split=split, data_dir=config.data_dir)
-        preprocess = None
-        features = source_info.features
-        if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
-            preprocess = pipelines.for_images(training=training)
+    def build(role, *, training, strategy, batch, seed):
+        state = prepare()
+        split = state["eval_split"] if role == experiment.EVAL else role
+        source, plan = state["source"], state["plan"]
+        # Dataset-specific preprocessing: uint8 images scaled to [0, 1], then
+        # resized (--image_size); token ids padded (--sequence_length).
+        source_info = pipelines.describe_source(source, split=split, data_dir=config.data_dir)
         dataset = pipelines.make_dataset(
-            source(), split=split, strategy=strategy, batch=batch,
-            training=training, seed=seed,
-            data_dir=config.data_dir, preprocess=preprocess,
+            source, split=split, strategy=strategy, batch=batch,
+            training=training, seed=seed, data_dir=config.data_dir,
+            preprocess=plan.preprocess(source_info.features, training=training),
         )
         info = dataset.pipeline_info
         feature_spec = info.element_spec[0]
@@ -217,12 +266,54 @@ def _build_dataset(config: run_config.RunConfig):
             raise run_config.ConfigError(
                 f"--dataset={config.dataset} does not say how many classes its labels have; "
                 f"pass --num_classes.")
-        return dataset, DatasetSpec(
+        return dataset, experiment.DatasetSpec(
             input_shape=tuple(feature_spec.shape), num_classes=num_classes,
             steps_per_epoch=info.steps_per_epoch, num_examples=info.num_examples,
+            split=split, model_arguments=dict(plan.model_arguments),
         )
 
     return build
+
+
+def _build_model(config: run_config.RunConfig):
+    """`build_model` for `experiment.train_and_evaluate`: `models.get` with the
+    flags' options; a builder's refusal exits 2 (a model you registered
+    without declared inputs is checked only here)."""
+    from tfdp import models
+
+    def build(name, **kwargs):
+        try:
+            return models.get(name, **config.model_arguments(), **kwargs)
+        except ValueError as error:
+            raise run_config.ConfigError(
+                f"--model={name} cannot be built for --dataset={config.dataset}: {error}"
+            ) from None
+
+    return build
+
+
+def _check_inputs(config: run_config.RunConfig):
+    """Checks --model against --dataset and its splits from metadata alone.
+
+    Starts no TensorFlow runtime (see `_check_names`).
+
+    Returns:
+        The dataset's `DataDescription`, or None when it is known only once
+        built (your `python:` code).
+
+    Raises:
+        ConfigError: the dataset cannot be read (a TFDS dataset not
+            prepared), or does not fit the model, or lacks a split.
+    """
+    data = data_description.describe_before_strategy(config)
+    if data is not None and data.unavailable:
+        raise run_config.ConfigError(f"--dataset={config.dataset}: {data.unavailable}.")
+    compatibility.check(config.model, data, image_size=config.image_size,
+                        sequence_length=config.sequence_length, num_classes=config.num_classes)
+    compatibility.check_split("train", data, flag="--dataset")
+    if config.eval:
+        compatibility.eval_split(config.eval_split, data)
+    return data
 
 
 def _check_names(config: run_config.RunConfig) -> None:
@@ -270,29 +361,24 @@ def _check_names(config: run_config.RunConfig) -> None:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    from tfdp import models
-
     from tfdp.app import experiment
 
     try:
         config = config_from_flags()
         _check_names(config)
+        described = _check_inputs(config)
         configure_logging(process_is_chief())
         with peer_failures.explain_peer_failures(collective_timeout=config.collective_timeout):
             experiment.train_and_evaluate(
-                config, build_dataset=_build_dataset(config),
-                build_model=functools.partial(models.get, **config.model_arguments()),
+                config, build_dataset=_build_dataset(config, described),
+                build_model=_build_model(config),
             )
     except (run_config.ConfigError, config_check.ConfigMismatchError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except startup.StartupError as error:
+    except (startup.StartupError, peer_failures.PeerFailureError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(1)
-    except peer_failures.PeerFailureError as error:
-        # 43 for a lost peer (schedulers retry it), 1 for a stuck one.
-        print(f"tfdp-train: error: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
 
 
 def run() -> None:

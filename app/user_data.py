@@ -93,7 +93,9 @@ def check_train_flags(dataset: str, values: dict, *, evaluate: bool) -> None:
     defaults = {"image_key": "image/encoded", "label_key": "image/class/label",
                 "image_channels": 3}
     if dataset != TFRECORD:
-        allowed = ("num_classes",) if dataset.startswith(PYTHON_PREFIX) else ()
+        # --image_size resizes any images (tfdp.app.compatibility checks the kind).
+        allowed = ("image_size", "num_classes") if dataset.startswith(PYTHON_PREFIX) else (
+            "image_size",)
         stray = [f"--{name}" for name in TRAIN_FLAGS
                  if name not in allowed and values.get(name) not in (None, defaults.get(name))]
         if stray:
