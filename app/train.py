@@ -376,9 +376,13 @@ def main(argv: Sequence[str]) -> None:
     except (run_config.ConfigError, config_check.ConfigMismatchError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except (startup.StartupError, peer_failures.PeerFailureError) as error:
+    except startup.StartupError as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)
         sys.exit(1)
+    except peer_failures.PeerFailureError as error:
+        # 43 for a lost peer (schedulers retry it), 1 for a stuck one.
+        print(f"tfdp-train: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
 
 
 def run() -> None:
