@@ -2,12 +2,13 @@
 
 The `slurm` fixture (`conftest.py`) runs slurmctld, slurmd and munged; every
 job here is the script `tfdp-launch slurm --nodes 1 --ntasks_per_node 2`
-writes, submitted with `--submit`, running `tfdp-train` as two Slurm tasks
-(two MultiWorkerMirroredStrategy workers). Each wait is bounded: a job that
-does not end in time fails its test and is cancelled.
+writes, submitted with `--submit`, running `tfdp-train` (the time-limit test:
+`time_limit_job.py`, a paced `model.fit`) as two Slurm tasks (two
+MultiWorkerMirroredStrategy workers). Each wait is bounded: a job that does
+not end in time fails its test and is cancelled.
 
-The measured times (job wall time, requeue to resume) are printed; run with
-`-s` to see them.
+The measured times (job wall time, signal to requeue to resume) are printed;
+run with `-s` to see them.
 """
 
 import json
@@ -228,3 +229,104 @@ def test_tasks_with_different_flags_fail_with_the_mismatch_message(slurm, jobs, 
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", output[-4000:]
     assert "tfdp-train: error: The workers' configurations differ" in output, output[-4000:]
     assert "worker 1 differs from the chief (worker 0) in: seed" in output, output[-4000:]
+
+
+#: The time-limit job's SIGTERM lead (`#SBATCH --signal=TERM@120`).
+SIGNAL_LEAD = 120
+#: slurmctld looks at time limits (and sends `--signal`) every 30 s (its PERIODIC_TIMEOUT),
+#: up to 30 s before the lead asks for.
+LIMIT_CHECK_PERIOD = 30
+
+
+def _unix_time(stamp):
+    """A Slurm time stamp (local time, whole seconds) as a Unix time."""
+    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
+
+
+def _started(job):
+    """A running job's StartTime (slurmctld's clock) as a Unix time."""
+    return _unix_time(job["StartTime"])
+
+
+@pytest.mark.slow
+def test_time_limit_signal_saves_requeues_and_resumes(slurm, jobs, tmp_path):
+    # `--signal TERM@120 --time T`: Slurm itself sends SIGTERM to the tasks 120 s
+    # before the limit; every worker saves and exits 42, the script requeues,
+    # the rerun resumes. Time limits are whole minutes and slurmctld checks them
+    # every 30 s, so a limit set at submission would land the signal somewhere in
+    # a window of a minute or more, maybe before TensorFlow has started. Instead
+    # the job starts with 10 minutes and, once it trains, its limit is lowered
+    # (`scontrol update TimeLimit=M`, as a user may) so that the SIGTERM is due
+    # at once: Slurm's own check sends it within 30 s.
+    import time_limit_job as job_program
+
+    out = "job-{job_id}.out"
+    backup_dir, result_path = tmp_path / "backup", tmp_path / "result.npz"
+    command = [sys.executable, "-m", "tfdp.launch", "slurm", "--nodes", "1",
+               "--ntasks_per_node", "2", "--time", "10", "--signal", f"TERM@{SIGNAL_LEAD}",
+               "--requeue", "--output", str(tmp_path / "job-%j.out"), "--submit", "--",
+               sys.executable, job_program.__file__, str(backup_dir), str(result_path)]
+    result = slurm.run(command, cwd=tmp_path)
+    job_id = int(re.fullmatch(r"Submitted batch job (\d+)\n", result.stdout).group(1))
+    jobs.append(job_id)
+    submitted = time.monotonic()
+    _wait_for_output(slurm, tmp_path, job_id, out, "[0] step 3\n", timeout=JOB_TIMEOUT)
+    job = slurm.job(job_id)
+    assert "#SBATCH --signal=TERM@120" in _script(slurm, job_id)
+    elapsed = time.time() - _started(job)
+    # Due at once: the limit is between the lead and the lead + one check period away.
+    minutes = int((elapsed + SIGNAL_LEAD + LIMIT_CHECK_PERIOD) // 60)
+    slurm.run(["scontrol", "update", f"jobid={job_id}", f"TimeLimit={minutes}"])
+    lowered, lowered_at = time.monotonic(), time.time()
+    _wait_for_output(slurm, tmp_path, job_id, out, "exiting with code 42",
+                     timeout=LIMIT_CHECK_PERIOD + 60)
+    saved = time.monotonic()
+    job = slurm.wait_job(job_id, timeout=120, until=lambda job: int(job.get("Restarts", 0)) >= 1)
+    requeued = time.monotonic()
+    slurm.wait_job(job_id, timeout=30, until=lambda job: job["JobState"] == "PENDING")
+    # Skip Slurm's ~2-minute hold of a requeued job (see the preemption test), and
+    # give the rerun time to finish: its limit would otherwise signal it again.
+    time.sleep(2)
+    slurm.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now", "TimeLimit=10"])
+    slurm.wait_job(job_id, timeout=60, until=lambda job: job["JobState"] != "PENDING")
+    resumed = time.monotonic()
+    job = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+    ended = time.monotonic()
+    output = _output(tmp_path, job_id, out)
+    # slurmstepd logs the signal to the step: "*** STEP 1.0 ON node CANCELLED AT <time> ***".
+    signalled = re.search(r"STEP \S+ ON \S+ CANCELLED AT (\S+) \*\*\*", output)
+    signal_after = ("?" if signalled is None else
+                    f"{_unix_time(signalled.group(1)) - lowered_at:.0f}")
+    print(f"\n[slurm] time-limit signal: job {job_id}: limit lowered {lowered - submitted:.1f} s "
+          f"after submission ({elapsed:.0f} s into the run, to {minutes} min); SIGTERM "
+          f"{signal_after} s later (whole seconds); a worker "
+          f"saved and exited 42 {saved - lowered:.1f} s after lowering; requeued "
+          f"{requeued - lowered:.1f} s after lowering; rerun {ended - resumed:.1f} s; "
+          f"{job['JobState']}; test {ended - submitted:.1f} s")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", output[-4000:]
+    assert job["Restarts"] == "1", output[-4000:]
+    first, rerun = output.split("requeueing job", 1)
+    assert first.count("saved after SIGTERM; exiting with code 42") == 2, output[-4000:]
+    assert "Exited with exit code 42" in first and "TIME LIMIT" not in first, output[-4000:]
+    # The last save of the first run is the SIGTERM's (the others end an epoch).
+    saves = re.findall(r"saved \S+/ckpt-\d+ \(epoch \d+, batch \d+, step (\d+)\)", first)
+    assert saves, output[-4000:]
+    step = int(saves[-1])
+    assert 3 <= step < job_program.TOTAL_STEPS, output[-4000:]
+    for rank in (0, 1):
+        assert f"[{rank}] started at step {step}\n" in rerun, output[-4000:]
+        assert f"[{rank}] done at step {job_program.TOTAL_STEPS}\n" in rerun, output[-4000:]
+    # ... and ends with the weights of a run that never stopped (the same process
+    # trained one after the resumed run: same seed, same strategy, no backup).
+    result = np.load(result_path)
+    assert int(result["steps"]) == int(result["reference_steps"]) == job_program.TOTAL_STEPS
+    weights = sorted(k for k in result.files if k.startswith("weight"))
+    assert weights
+    for name in weights:
+        np.testing.assert_allclose(result[name], result[name.replace("weight", "reference")],
+                                   rtol=0, atol=1e-6, err_msg=name)
+
+
+def _script(slurm, job_id):
+    """The batch script Slurm holds for a job."""
+    return slurm.run(["scontrol", "write", "batch_script", str(job_id), "-"]).stdout

@@ -248,6 +248,41 @@ def test_per_replica_state_resumes_exactly_on_two_workers(workers, name):
     assert list(records[0][f"{name}_files"]) == ["worker-0-of-2.npz", "worker-1-of-2.npz"]
 
 
+def test_sharded_state_of_two_workers_resumes_on_one_worker_of_two_replicas(workers, tmp_path):
+    """ZeRO-1 chunks written by 2 workers, read back by 1 process with 2 replicas (or 1).
+
+    Exact only if worker w's chunk is replica w's, as `replica_id_in_sync_group`
+    numbers them: swapped chunks would put each half of the momentum on the
+    other half of the weights.
+    """
+    import shutil
+
+    import tfdp
+
+    out, _ = workers
+    steps = job.TOTAL_STEPS + 3
+
+    def train(replicas, directory):
+        strategy = tfdp.make_strategy(cpu_replicas=replicas)
+        with strategy.scope():
+            model = job.build_model()
+            optimizer = keras.optimizers.SGD(job.LEARNING_RATE, momentum=0.9)
+        trainer = tfdp.Trainer(
+            model, optimizer=optimizer, loss=job.loss(), strategy=strategy,
+            batch=tfdp.BatchConfig.from_global(job.GLOBAL_BATCH, replicas),
+            model_dir=directory, checkpoint_every=job.RESUME_AT, shard_optimizer_state=True)
+        trainer.train(job.global_batches, steps=steps)
+        assert trainer.global_step == steps
+        return model.get_weights()
+
+    straight = train(2, None)
+    for replicas in (2, 1):
+        directory = tmp_path / f"on_{replicas}"
+        shutil.copytree(out / "zero_resume_resumed", directory)
+        for got, want in zip(train(replicas, str(directory)), straight):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
 def test_bfloat16_gradients_on_two_workers_train_as_one_device(workers):
     """The float32 counts take their own all-reduce beside the bfloat16 gradients'."""
     _, records = workers

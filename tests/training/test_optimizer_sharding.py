@@ -92,7 +92,7 @@ def assert_same_state(strategy, sharded_model, plain_model):
     for sharded, plain in zip(sharded_vars, plain_vars):
         expected = replica_values(strategy, plain)[0]
         copies = replica_values(strategy, sharded)
-        if np.ndim(expected) == 0:
+        if np.ndim(expected) == 0 or strategy.num_replicas_in_sync == 1:
             np.testing.assert_allclose(copies[0], expected, atol=TOLERANCE)
             continue
         size = expected.size
@@ -138,12 +138,14 @@ def test_mixed_precision_equals_unsharded_training(strategies):
     assert_same_state(strategy, sharded, plain)
 
 
-def train(strategy, sharded, model_dir=None, steps=STEPS):
+def train(strategy, sharded, model_dir=None, steps=STEPS, optimizer="adam"):
     with strategy.scope():
         model = mlp()
-        optimizer = keras.optimizers.Adam(0.01)
+        optimizer = OPTIMIZERS[optimizer]()
     trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategy,
-                           batch=BatchConfig.from_global(GLOBAL_BATCH, 2), model_dir=model_dir,
+                           batch=BatchConfig.from_global(GLOBAL_BATCH,
+                                                         strategy.num_replicas_in_sync),
+                           model_dir=model_dir,
                            checkpoint_every=3, shard_optimizer_state=sharded)
     trainer.train(dataset(), steps=steps)
     model.optimizer = trainer.optimizer
@@ -219,24 +221,45 @@ def test_config_round_trip():
     assert again.shards_optimizer_state
 
 
-def test_resume_on_another_replica_count_is_refused_before_anything_changes(strategies, tmp_path):
+@pytest.mark.parametrize("before, after, optimizer", [
+    (4, 2, "adam"), (2, 1, "adam"), (1, 2, "adam"), (2, 4, "lamb"),
+])
+def test_resume_on_another_replica_count_repartitions_the_state(
+        strategies, tmp_path, before, after, optimizer):
+    """Stopped at step 3 on `before` replicas, resumed on `after`: as uninterrupted training."""
+    model_dir = str(tmp_path / "run")
+    strategy = lambda n: strategies.get(n) or tfdp.make_strategy(cpu_replicas=n)  # noqa: E731
+    train(strategy(before), True, model_dir=model_dir, steps=3, optimizer=optimizer)
+    resumed = train(strategy(after), True, model_dir=model_dir, optimizer=optimizer)
+    assert int(resumed.optimizer.iterations.numpy()) == STEPS
+    plain = train(strategy(after), False, optimizer=optimizer)
+    assert_same_state(strategy(after), resumed, plain)
+
+
+def test_resume_with_error_memories_on_another_replica_count_is_refused(strategies, tmp_path):
+    """Error-feedback memories cannot be split: refused before anything changes."""
     model_dir = tmp_path / "run"
-    train(strategies[2], True, model_dir=str(model_dir), steps=3)
+
+    def trainer(strategy):
+        with strategy.scope():
+            model = mlp()
+            optimizer = keras.optimizers.Adam(0.01)
+        return model, tfdp.Trainer(
+            model, optimizer=optimizer, loss="mse", strategy=strategy,
+            batch=BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync),
+            model_dir=str(model_dir), checkpoint_every=3, shard_optimizer_state=True,
+            gradient_compression=tfdp.compression.TopK(fraction=0.5))
+
+    trainer(strategies[2])[1].train(dataset(), steps=3)
 
     def checkpoint_files():  # TensorBoard event files aside
         return sorted(p.relative_to(model_dir) for p in model_dir.rglob("*")
                       if "tfevents" not in p.name)
 
     before = checkpoint_files()
-    with strategies[4].scope():
-        model = mlp()
-        optimizer = keras.optimizers.Adam(0.01)
-    trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategies[4],
-                           batch=BatchConfig.from_global(GLOBAL_BATCH, 4),
-                           model_dir=str(model_dir), checkpoint_every=3,
-                           shard_optimizer_state=True)
+    model, resumed = trainer(strategies[4])
     with pytest.raises(ValueError, match=r"2 replica\(s\) per worker.*this run has 4"):
-        trainer.train(dataset(), steps=STEPS)
+        resumed.train(dataset(), steps=STEPS)
     assert checkpoint_files() == before
     np.testing.assert_array_equal(model.get_weights()[0], INITIAL[0])
 

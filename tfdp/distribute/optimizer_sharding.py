@@ -40,9 +40,13 @@ moving averages (`use_ema`), is refused with the reason and the way out.
 
 The slots of each replica differ, so they are per-replica state
 (`tfdp.training.replica_state`): every worker writes its replicas' chunks
-beside each checkpoint, and a resume loads them back. This module owns the
-layout, the shard variables and the gather; `tfdp.training.nonfinite`'s
-wrappers call it around the inner optimizer's `apply`.
+beside each checkpoint, and a resume loads them back. On another number of
+replicas the chunks of all the old replicas are put end to end, the padding
+dropped, and the result cut again for the new count (`repartition`): the
+resumed state is the one an uninterrupted run on the old count had, exactly.
+This module owns the layout, the shard variables and the gather;
+`tfdp.training.nonfinite`'s wrappers call it around the inner optimizer's
+`apply`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import math
 from typing import Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdp.distribute import reduction
@@ -125,6 +130,66 @@ def shard_size(num_elements: int, num_shards: int) -> int:
     return max(1, math.ceil(num_elements / num_shards))
 
 
+def repartition(chunks: Sequence[np.ndarray], num_elements: int, num_shards: int) -> np.ndarray:
+    """The chunks of one slot cut again for `num_shards` replicas.
+
+    Args:
+        chunks: every old replica's chunk of the slot, in replica order
+            (`replica_id_in_sync_group`), each `[ceil(num_elements / old N)]`.
+        num_elements: elements of the variable the slot belongs to.
+        num_shards: the new number of replicas.
+
+    Returns:
+        `[num_shards, shard_size(num_elements, num_shards)]`: row r is
+        replica r's chunk, zero-padded at the end as `OptimizerSharding`
+        pads. With one shard, row 0 holds the whole slot, flattened.
+    """
+    whole = np.concatenate([np.reshape(c, [-1]) for c in chunks])
+    if whole.size < num_elements:
+        raise ValueError(f"{len(chunks)} chunk(s) of {whole.size} elements in all cannot hold "
+                         f"a slot of {num_elements} elements.")
+    size = shard_size(num_elements, num_shards)
+    cut = np.zeros([num_shards * size], whole.dtype)
+    cut[:num_elements] = whole[:num_elements]
+    return cut.reshape(num_shards, size)
+
+
+def slot_variables(optimizer: keras.optimizers.Optimizer, num_variables: int) -> list:
+    """For each of `optimizer.variables`: the index of the variable it is a slot of, or None.
+
+    Which of an optimizer's variables belongs to which trainable variable is
+    known only to its `build`, so this builds a fresh optimizer of the same
+    class and configuration on `num_variables` stand-in vectors of sizes 1, 2,
+    ..., and reads each slot's size: a slot of stand-in i has i + 1 elements;
+    variables of rank 0 (iterations, learning rate) are no slot. `optimizer`
+    must have been built on `num_variables` variables (its shard variables,
+    or the weights themselves on one replica).
+
+    Raises:
+        ValueError: the probe's variables do not line up with `optimizer`'s.
+    """
+    probe = type(optimizer).from_config(optimizer.get_config())
+    probe.build([keras.Variable(tf.zeros([i + 1]), trainable=False, name=f"probe_{i}")
+                 for i in range(num_variables)])
+    if len(probe.variables) != len(optimizer.variables):
+        raise ValueError(
+            f"{type(optimizer).__name__} built on {num_variables} variables has "
+            f"{len(optimizer.variables)} variables, but {len(probe.variables)} when built again "
+            "from its config: its state cannot be matched to the weights to re-partition it.")
+    found = []
+    for probe_variable, variable in zip(probe.variables, optimizer.variables):
+        if len(probe_variable.shape) == 0:
+            found.append(None)
+        elif len(probe_variable.shape) == 1 and len(variable.shape) >= 1:
+            found.append(int(probe_variable.shape[0]) - 1)
+        else:
+            raise ValueError(
+                f"{type(optimizer).__name__}'s variable {variable.path} (shape "
+                f"{tuple(variable.shape)}) is neither a scalar nor a slot of one weight: its "
+                "state cannot be re-partitioned.")
+    return found
+
+
 class OptimizerSharding:
     """The chunks of every trainable variable that the replicas' optimizer states cover.
 
@@ -181,6 +246,11 @@ class OptimizerSharding:
                 stack.enter_context(keras.name_scope(scope))
             return keras.Variable(tf.zeros([size], variable.dtype), trainable=False, name=name,
                                   aggregation="none")
+
+    @property
+    def variables(self) -> list:
+        """The trainable variables whose optimizer state is sharded, in build order."""
+        return list(self._variables)
 
     @property
     def shard_elements(self) -> int:

@@ -11,6 +11,7 @@ exception: every worker writes its own file of it at each save.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -56,6 +57,7 @@ class ChiefCheckpointManager:
         self._checkpoint = checkpoint
         self.replica_state = replica_state
         self._restored_step = None
+        self._repartition = None
         self._directory = directory
         self._is_chief = is_chief
         self._manager = (
@@ -99,13 +101,21 @@ class ChiefCheckpointManager:
         latest = self.latest_checkpoint
         if latest is None:
             return None
+        repartition = None
         if self.replica_state is not None:
             from tfdp.training import replica_state  # pylint: disable=import-outside-toplevel
 
-            # Before anything is restored: a clear refusal instead of a shape error.
-            self.replica_state.check_layout(replica_state.step_of(latest))
+            # Before anything is restored: a clear refusal instead of a shape
+            # error, or the stand-in that takes chunks of another layout.
+            repartition = self.replica_state.plan_restore(replica_state.step_of(latest))
         try:
-            status = self._checkpoint.restore(latest)
+            with self._standing_in(repartition):
+                status = self._checkpoint.restore(latest)
+                status.assert_existing_objects_matched()
+                if repartition is not None:
+                    status.expect_partial()  # the stand-in drops the old chunks, knowingly
+        except AssertionError as error:
+            raise self._mismatch(latest, error) from error
         except ValueError as error:  # e.g. a variable of another shape
             raise self._mismatch(latest, error) from error
         except (tf.errors.OpError, IndexError) as error:
@@ -119,26 +129,45 @@ class ChiefCheckpointManager:
                 f"older checkpoint (or delete it to start over), or point model_dir "
                 f"at a new directory."
             ) from error
-        try:
-            status.assert_existing_objects_matched()
-        except AssertionError as error:
-            raise self._mismatch(latest, error) from error
         if self.replica_state is not None:
             from tfdp.training import replica_state  # pylint: disable=import-outside-toplevel
 
             self._restored_step = replica_state.step_of(latest)
-            self.replica_state.restore(self._restored_step)
+            self._repartition = repartition
+            self._load_replica_state()
         return latest
+
+    @staticmethod
+    def _standing_in(repartition):
+        return repartition.standing_in() if repartition is not None else contextlib.nullcontext()
+
+    def _load_replica_state(self) -> None:
+        if self._repartition is not None:
+            self._repartition.apply()
+        else:
+            self.replica_state.restore(self._restored_step)
+
+    def restoring_elsewhere(self):
+        """A context for a restore of the last checkpoint by other code (TensorFlow's).
+
+        Wrap the start of a `tfdp.distribute.preemption.PreemptionWatcher` in
+        it and call `restore_replica_state_again` after: on a cluster,
+        TensorFlow's `PreemptionCheckpointHandler` restores the chief's
+        checkpoint when it is built, which with optimizer state written by
+        another number of replicas only the stand-in can take.
+        """
+        return self._standing_in(self._repartition)
 
     def restore_replica_state_again(self) -> None:
         """Loads the per-replica state of the last restore again.
 
         Call after starting a `tfdp.distribute.preemption.PreemptionWatcher`
-        on a cluster: TensorFlow's `PreemptionCheckpointHandler` restores the
-        chief's checkpoint when it is built, over every replica's own state.
+        on a cluster (inside `restoring_elsewhere`): TensorFlow's
+        `PreemptionCheckpointHandler` restores the chief's checkpoint when it
+        is built, over every replica's own state.
         """
         if self.replica_state is not None and self._restored_step is not None:
-            self.replica_state.restore(self._restored_step)
+            self._load_replica_state()
 
     @staticmethod
     def _mismatch(path: str, error: Exception) -> ValueError:

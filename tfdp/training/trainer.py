@@ -286,8 +286,7 @@ class Trainer:
             self._checkpoints = checkpointing.ChiefCheckpointManager(
                 self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep,
                 replica_state=replica_state.ReplicaStateFiles(
-                    model_dir, strategy, lambda: replica_state.variables_of(optimizer),
-                    max_to_keep=max_to_keep),
+                    model_dir, strategy, lambda: optimizer, max_to_keep=max_to_keep),
             )
             if self.info.is_chief:
                 self._summary_writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
@@ -555,7 +554,8 @@ class Trainer:
             save_fn=lambda: self._save(self._position),
             owner="tfdp trainer",
         )
-        self._watcher.start()
+        with self._checkpoints.restoring_elsewhere():
+            self._watcher.start()
         self._checkpoints.restore_replica_state_again()  # the handler restored the chief's
         return self._watcher
 

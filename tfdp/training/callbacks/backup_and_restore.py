@@ -276,8 +276,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._manager = checkpointing.ChiefCheckpointManager(
             self._checkpoint, self.backup_dir, is_chief=self._info.is_chief, max_to_keep=2,
             replica_state=replica_state.ReplicaStateFiles(
-                self.backup_dir, strategy,
-                lambda: replica_state.variables_of(self.model.optimizer), max_to_keep=2),
+                self.backup_dir, strategy, lambda: self.model.optimizer, max_to_keep=2),
         )
         epoch, batch = self._restore()
         self._resume = (epoch, batch)
@@ -293,7 +292,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 exit_code=self.exit_code,
                 owner="tfdp BackupAndRestore",
             )
-            self._watcher.start()
+            with self._manager.restoring_elsewhere():
+                self._watcher.start()
             self._manager.restore_replica_state_again()  # the handler restored the chief's
         self._training = True
 
