@@ -41,11 +41,27 @@ Element structure: `(features, label)` tuples, as Keras unpacks them.
 models); every leaf needs a static shape after `preprocess` (the batch
 dimension is static too when `drop_remainder`).
 
-Order within a pipeline: read (its files, or every n-th example) -> cache ->
-shuffle (seeded, reshuffled every epoch) -> take whole steps -> parallel
-preprocess -> batch -> empty batches up to the step count -> prefetch (on the
-host; which strategies then copy batches to the devices ahead of the step is
-noted in `tfdp.pipelines.input_pipeline`).
+Order within a pipeline, training on a source that addresses its examples
+(`digits`, TFDS datasets stored as TFRecord files, `TFRecordSource` with
+known counts per file, the synthetic sources), uncached: a per-epoch random
+order of its files, read a window of files at a time (about 10,000
+examples) as raw records, each window visited in a random permutation
+(`tfdp.pipelines.seekable_order`) -> parse/decode only the records visited ->
+parallel preprocess -> batch -> prefetch. Otherwise: read (its files, or
+every n-th example) -> cache -> shuffle (seeded, reshuffled every epoch) ->
+take whole steps -> parallel preprocess -> batch -> empty batches up to the
+step count -> prefetch (on the host; which strategies then copy batches to
+the devices ahead of the step is noted in `tfdp.pipelines.input_pipeline`).
+
+Resuming: the dataset's `start_at_batch(b)` is the same epoch from global
+batch `b` on, the batches an uninterrupted epoch yields there (with a
+`seed`). `tfdp.Trainer` and `tfdp.callbacks.BackupAndRestore` call it
+(`tfdp.training.input_position`). In the first order above nothing before
+the position is decoded or preprocessed and no window of files before it is
+opened; otherwise the source reads (and decodes) the examples before the
+position and they pass the shuffle buffer, but they are not preprocessed,
+batched or copied to a device. Without a `seed` the order is random, so a
+resumed epoch is not the interrupted one.
 
 Steps per epoch: the returned dataset's `cardinality` is `steps_per_epoch`,
 the number of global batches, in every configuration; Keras takes it as the
@@ -254,10 +270,30 @@ def make_dataset(
         options = tf.distribute.InputOptions(
             experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA
         )
-    dataset = strategy.distribute_datasets_from_function(pipeline, options)
+    return _distribute(pipeline, strategy, options, start_batch=0)
+
+
+def _distribute(pipeline: pipeline_lib.InputPipeline, strategy, options, *, start_batch: int):
+    """The distributed dataset of `pipeline`'s epoch from global batch `start_batch` on,
+    with `pipeline_info`, `steps_per_epoch`, `num_examples` and `start_at_batch`."""
+    dataset = strategy.distribute_datasets_from_function(
+        pipeline.at_batch(start_batch) if start_batch else pipeline, options)
     info = pipeline.last_info
-    _upstream.set_global_steps(dataset, info.steps_per_epoch)
+    steps = info.steps_per_epoch
+    _upstream.set_global_steps(dataset, None if steps is None else steps - start_batch)
     dataset.pipeline_info = info
-    dataset.steps_per_epoch = info.steps_per_epoch
+    dataset.steps_per_epoch = steps
     dataset.num_examples = info.num_examples
+
+    def start_at_batch(batch: int):
+        """This epoch's dataset from global batch `batch` on (a resume), seeking
+        instead of reading the batches before it (`tfdp.training.input_position`)."""
+        _checks.check_int("batch", batch, minimum=0)
+        if steps is not None and batch > steps - start_batch:
+            raise ValueError(
+                f"`batch` must be at most the {steps - start_batch} batches of this "
+                f"dataset's epoch. Received: batch={batch}")
+        return _distribute(pipeline, strategy, options, start_batch=start_batch + batch)
+
+    dataset.start_at_batch = start_at_batch
     return dataset

@@ -12,6 +12,7 @@ in `tfdp.pipelines.sharding`.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import tensorflow as tf
@@ -20,6 +21,7 @@ from absl import logging
 import tfdp
 from tfdp.pipelines import sharding
 from tfdp.pipelines.pipeline_info import PipelineInfo
+from tfdp.pipelines import seekable_order
 from tfdp.pipelines import source as source_lib
 
 #: Largest shuffle buffer, in examples, per input pipeline.
@@ -112,7 +114,8 @@ class InputPipeline:
         dataset = self.source.read(self.split)
         _check_element_spec(dataset.element_spec, self.source.name, check_shapes=False)
         if self.preprocess is not None:
-            dataset = self._apply_preprocess(dataset, None)
+            seeds = tf.data.Dataset.random(seed=0).batch(2)
+            dataset = self._apply_preprocess(tf.data.Dataset.zip((dataset, seeds)))
             _check_element_spec(dataset.element_spec, "preprocess", check_shapes=False)
         _check_element_spec(dataset.element_spec, self.source.name, check_shapes=True)
         return dataset.element_spec
@@ -207,19 +210,21 @@ class InputPipeline:
 
     # -- building ---------------------------------------------------------
 
-    def _apply_preprocess(self, dataset: tf.data.Dataset, seed: int | None) -> tf.data.Dataset:
+    def _apply_preprocess(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """`preprocess` on `((features, label), seed)` elements, in a parallel map.
+
+        A `preprocess` with `needs_seed` gets the element's stateless seed
+        (int64 `[2]`); the seed is dropped either way.
+        """
         fn = self.preprocess
+        if fn is None:
+            return dataset.map(lambda example, example_seed: example)
         if getattr(fn, "needs_seed", False):
-            # One stateless seed per example: reproducible under a parallel
-            # map, and new every epoch.
-            seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
-            return tf.data.Dataset.zip((dataset, seeds)).map(
-                lambda example, example_seed: fn(*example, example_seed),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=self.deterministic,
-            )
+            mapped = lambda example, example_seed: fn(*example, example_seed)  # noqa: E731
+        else:
+            mapped = lambda example, example_seed: fn(*example)  # noqa: E731
         return dataset.map(
-            fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self.deterministic
+            mapped, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self.deterministic
         )
 
     @staticmethod
@@ -229,34 +234,71 @@ class InputPipeline:
         return tf.data.Dataset.from_tensors(empty).repeat(count)
 
     def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        num_pipelines = input_context.num_input_pipelines
-        index = input_context.input_pipeline_id
-        num_replicas = input_context.num_replicas_in_sync
-        plan, info = self.plan(num_pipelines, num_replicas)
-        self.last_info = info
-        if index == 0:  # Once per dataset build, on the first worker only.
-            logging.info("pipelines: %s", info.describe())
-            warning_key = (info.source, info.split, info.global_batch, info.dropped_per_epoch)
-            if info.dropped_per_epoch and warning_key not in _DROP_WARNINGS_GIVEN:
-                # Once per process: a training loop rebuilds the dataset each epoch.
-                _DROP_WARNINGS_GIVEN.add(warning_key)
-                logging.warning(
-                    "pipelines: %s/%s: drop_remainder drops %d of %d examples every "
-                    "epoch (they do not fill a last global batch of %d across %d "
-                    "input pipeline(s)). Pass drop_remainder=False to train on them "
-                    "in partial batches, or pick a global batch that divides the "
-                    "split.",
-                    info.source, info.split, info.dropped_per_epoch, info.num_examples,
-                    info.global_batch, info.num_input_pipelines,
-                )
-        per_replica = self.batch.replica_batch  # plan() checked the replica count
-        replicas_fed = num_replicas // num_pipelines
-        examples_per_step = per_replica * replicas_fed
-        size = plan.sizes[index]
-        steps = info.steps_per_epoch
-        # Seeds differ per pipeline so pipelines do not shuffle in lockstep.
-        seed = None if self.seed is None else self.seed + 1_000_003 * index
+        return self.build(input_context)
 
+    def at_batch(self, start_batch: int) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+        """The `dataset_fn` of the same epoch entered at global batch `start_batch`."""
+        return functools.partial(self.build, start_batch=start_batch)
+
+    def seekable(self, mode: str) -> bool:
+        """Whether this pipeline reads through `tfdp.pipelines.seekable_order`.
+
+        Training on a source that addresses its examples (by index, or as
+        raw records of files with known counts), uncached, in a sharding mode
+        that order implements. Everything else reads `source.read` and a
+        resume passes the skipped examples through it (but not through
+        `preprocess`).
+        """
+        if not self.training or self.cache or mode == "context":
+            return False
+        if self.source.example_at(self.split) is not None:
+            return mode != "file"
+        return self.source.record_files(self.split) is not None
+
+    def _log_plan(self, info: PipelineInfo) -> None:
+        logging.info("pipelines: %s", info.describe())
+        warning_key = (info.source, info.split, info.global_batch, info.dropped_per_epoch)
+        if info.dropped_per_epoch and warning_key not in _DROP_WARNINGS_GIVEN:
+            # Once per process: a training loop rebuilds the dataset each epoch.
+            _DROP_WARNINGS_GIVEN.add(warning_key)
+            logging.warning(
+                "pipelines: %s/%s: drop_remainder drops %d of %d examples every "
+                "epoch (they do not fill a last global batch of %d across %d "
+                "input pipeline(s)). Pass drop_remainder=False to train on them "
+                "in partial batches, or pick a global batch that divides the "
+                "split.",
+                info.source, info.split, info.dropped_per_epoch, info.num_examples,
+                info.global_batch, info.num_input_pipelines,
+            )
+
+    def _seekable_examples(self, plan, index: int, num_pipelines: int, start: int, stop: int,
+                           seed: int | None) -> tf.data.Dataset:
+        """`((features, label), preprocess seed)` from `seekable_order` (see `seekable`)."""
+        residue = None
+        if plan.mode == "data":
+            residue = seekable_order.Residue(index, num_pipelines)
+        common = dict(residue=residue, shuffle=self.shuffle, unit_seed=self.seed,
+                      example_seed=seed, window_examples=SHUFFLE_BUFFER)
+        example_at = self.source.example_at(self.split)
+        if example_at is not None:
+            order = seekable_order.SeekableOrder(
+                num_examples=self.source.num_examples(self.split), example_at=example_at,
+                **common)
+        else:
+            files = self.source.record_files(self.split)
+            if plan.mode == "file":
+                files = files[index::num_pipelines]
+            order = seekable_order.SeekableOrder(
+                files=files, parse=self.source.parse_record(self.split), **common)
+        return order.dataset(start, stop)
+
+    def _read_examples(self, plan, input_context, index: int, num_pipelines: int, size: int,
+                       start: int, stop: int, seed: int | None) -> tf.data.Dataset:
+        """`((features, label), preprocess seed)` from `source.read`, entered at `start`.
+
+        The examples before `start` are read (and decoded, by the source)
+        and pass the shuffle buffer, but are not preprocessed.
+        """
         dataset = self.source.read(
             self.split,
             input_context=input_context if plan.reads_with_context else None,
@@ -274,10 +316,53 @@ class InputPipeline:
         if self.shuffle:
             buffer = SHUFFLE_BUFFER if size == source_lib.INFINITE else min(size, SHUFFLE_BUFFER)
             dataset = dataset.shuffle(max(buffer, 1), seed=seed, reshuffle_each_iteration=True)
+        if stop != source_lib.INFINITE:
+            dataset = dataset.take(stop)
+        # One stateless seed per example: reproducible under a parallel map,
+        # and new every epoch.
+        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+        dataset = tf.data.Dataset.zip((dataset, seeds))
+        return dataset.skip(start) if start else dataset
+
+    def build(self, input_context: tf.distribute.InputContext, start_batch: int = 0
+              ) -> tf.data.Dataset:
+        """One input pipeline's dataset, entered at global batch `start_batch` of the epoch.
+
+        Entered part-way, it yields exactly the batches the whole epoch's
+        dataset yields from that step on (the same seeds, the same order).
+        """
+        num_pipelines = input_context.num_input_pipelines
+        index = input_context.input_pipeline_id
+        num_replicas = input_context.num_replicas_in_sync
+        plan, info = self.plan(num_pipelines, num_replicas)
+        self.last_info = info
+        if index == 0 and not start_batch:  # Once per dataset build, on the first worker only.
+            self._log_plan(info)
+        per_replica = self.batch.replica_batch  # plan() checked the replica count
+        replicas_fed = num_replicas // num_pipelines
+        examples_per_step = per_replica * replicas_fed
+        size = plan.sizes[index]
+        steps = info.steps_per_epoch
+        if steps is not None and not 0 <= start_batch <= steps:
+            raise ValueError(
+                f"`start_batch` must be in [0, {steps}] (the steps of an epoch). "
+                f"Received: start_batch={start_batch}")
+        # Seeds differ per pipeline so pipelines do not shuffle in lockstep.
+        seed = None if self.seed is None else self.seed + 1_000_003 * index
         if steps is not None and self.drop_remainder:
-            dataset = dataset.take(steps * examples_per_step)
-        if self.preprocess is not None:
-            dataset = self._apply_preprocess(dataset, seed)
+            stop = steps * examples_per_step
+        else:
+            stop = size
+        start = start_batch * examples_per_step
+        if stop != source_lib.INFINITE:
+            start = min(start, stop)
+
+        if self.seekable(plan.mode):
+            dataset = self._seekable_examples(plan, index, num_pipelines, start, stop, seed)
+        else:
+            dataset = self._read_examples(plan, input_context, index, num_pipelines, size,
+                                          start, stop, seed)
+        dataset = self._apply_preprocess(dataset)
         unbatched = dataset
         dataset = dataset.batch(
             per_replica,
@@ -286,14 +371,15 @@ class InputPipeline:
             deterministic=self.deterministic,
         )
         if steps is not None and not self.drop_remainder:
-            batches = -(-size // per_replica)
+            batches = -(-(stop - start) // per_replica)
             dataset = dataset.concatenate(
-                self._empty_batches(unbatched, steps * replicas_fed - batches)
+                self._empty_batches(unbatched, (steps - start_batch) * replicas_fed - batches)
             )
         if steps is not None:
             # Turns a miscount (a source whose metadata lies) into an error at
             # the end of the epoch instead of a hang in a collective.
-            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps * replicas_fed))
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(
+                (steps - start_batch) * replicas_fed))
         # Prefetch on the host. Under MirroredStrategy, OneDeviceStrategy and
         # MultiWorkerMirroredStrategy, tf.distribute's iterator then copies
         # each replica's batch to its device ahead of the step (a

@@ -52,6 +52,21 @@ class SourceInfo:
     num_files: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordFile:
+    """One file's part of a split, read as raw TFRecord records (`Source.record_files`).
+
+    Attributes:
+        path: the file.
+        skip: raw records before the split's first one in this file.
+        take: records of the split in this file.
+    """
+
+    path: str
+    skip: int
+    take: int
+
+
 class Source(abc.ABC):
     """A split-addressable collection of unbatched `(features, label)` examples.
 
@@ -112,6 +127,28 @@ class Source(abc.ABC):
     def num_classes(self) -> int | None:
         """Label classes, for classification sources; `None` when unknown."""
         return None
+
+    # -- addressing examples, so a resumed epoch can start anywhere -----------
+    # (`tfdp.pipelines.seekable_order`). A source implements one of the two,
+    # or neither: then a resume passes the skipped examples through `read`.
+
+    def example_at(self, split: str) -> Callable[[tf.Tensor], Any] | None:
+        """`int64 index -> (features, label)`: example `index` of `read(split)`'s
+        order, as a graph function; `None` (default) when there is no random access."""
+        del split
+        return None
+
+    def record_files(self, split: str) -> list[RecordFile] | None:
+        """The split as raw TFRecord records of files with known counts, in
+        `read(split)`'s file order (`read(split, input_context=...)` gives
+        pipeline `i` of `n` files `i, i + n, ...`); `None` (default) when the
+        source is not stored so, or the counts per file are not known."""
+        del split
+        return None
+
+    def parse_record(self, split: str) -> Callable[[tf.Tensor], Any]:
+        """`serialized tf.string -> (features, label)` for `record_files`' records."""
+        raise NotImplementedError(f"{type(self).__name__} has no record files.")
 
     def describe(self, split: str) -> SourceInfo:
         """A `SourceInfo` for `split`."""

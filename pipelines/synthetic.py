@@ -107,16 +107,17 @@ class SyntheticImages(source_lib.Source):
         return self._encoded
 
     def read(self, split, *, input_context=None, shuffle_files=False, seed=None):
-        del split, shuffle_files, seed
+        del shuffle_files, seed
         if input_context is not None:
             raise ValueError("Synthetic sources are sharded by element, not by file.")
-        indices = tf.data.Dataset.range(self.num_examples_per_split)
+        return tf.data.Dataset.range(self.num_examples_per_split).map(self.example_at(split))
+
+    def example_at(self, split):
+        del split
         if self.encoding is None:
-            return indices.map(lambda i: (self._image(i), self._label(i)))
+            return lambda i: (self._image(i), self._label(i))
         pool = self._encoded_pool()
-        return indices.map(
-            lambda i: (tf.gather(pool, i % self.num_distinct), self._label(i))
-        )
+        return lambda i: (tf.gather(pool, i % self.num_distinct), self._label(i))
 
     def num_examples(self, split):
         return self.num_examples_per_split
@@ -190,6 +191,10 @@ class SyntheticTokens(source_lib.Source):
         if input_context is not None:
             raise ValueError("Synthetic sources are sharded by element, not by file.")
         return tf.data.Dataset.range(self.num_examples_per_split).map(self._example)
+
+    def example_at(self, split):
+        del split
+        return self._example
 
     def num_examples(self, split):
         return self.num_examples_per_split

@@ -159,6 +159,28 @@ class TFDSSource(source_lib.Source):
             for i in range(num_pipelines)
         ]
 
+    def record_files(self, split):
+        info = self._split_info(split)
+        keys = self._builder.info.supervised_keys
+        if (info is None or self._builder.info.file_format.name != "TFRECORD"
+                or len(keys) != 2 or not all(isinstance(k, str) for k in keys)):
+            return None  # mocked metadata, other file formats, nested supervised keys
+        # TFDS's own read instructions: the files of the (possibly sliced)
+        # split, with the records to skip and take in each.
+        return [source_lib.RecordFile(str(f.filename), int(f.skip), int(f.take))
+                for f in info.file_instructions]
+
+    def parse_record(self, split):
+        del split
+        features = self._builder.info.features
+        image_key, label_key = self._builder.info.supervised_keys
+
+        def parse(serialized):
+            example = features.deserialize_example(serialized)
+            return example[image_key], example[label_key]
+
+        return parse
+
     def num_classes(self):
         label_key = self._builder.info.supervised_keys[1]
         feature = self._builder.info.features[label_key]

@@ -224,6 +224,17 @@ class TFRecordSource(source_lib.Source):
         return records.map(self._parse_fn(), num_parallel_calls=tf.data.AUTOTUNE,
                            deterministic=True)
 
+    def record_files(self, split):
+        if split in self._given_counts:
+            return None  # the split's count is given, not each file's
+        counts = self._count(split)["files"]
+        return [source_lib.RecordFile(path, 0, count)
+                for path, count in zip(self.files(split), counts)]
+
+    def parse_record(self, split):
+        del split
+        return self._parse_fn()
+
     # -- counting -----------------------------------------------------------
 
     def _cache_path(self, split: str) -> str | None:

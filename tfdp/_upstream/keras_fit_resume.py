@@ -25,10 +25,13 @@ things Keras has no public hook for:
    epoch, always numbers steps from 0 and iterates one dataset object.
    `install()` wraps it once, for the whole process: when the epoch
    iterator's data adapter is an `EpochInput`, the `EpochInput` runs the
-   epoch instead (a fresh distributed iterator over `dataset_fn(epoch)` with
-   the first `b` batches skipped, steps numbered `b, b + k, ...` up to the
-   epoch's end, `k` = `steps_per_execution`); every other input runs Keras'
-   own generator unchanged.
+   epoch instead (a fresh distributed iterator over `dataset_fn(epoch)`
+   entered at batch `b`, steps numbered `b, b + k, ...` up to the epoch's
+   end, `k` = `steps_per_execution`); every other input runs Keras' own
+   generator unchanged. How the first `b` batches are passed over is the
+   caller's `start_at` (`tfdp.training.input_position.start_at_batch`: a
+   seek for `pipelines.make_dataset`'s datasets, `skip` or iterator
+   advances for others).
 4. `fit(class_weight=...)`. Keras hands `class_weight` to
    `data_adapters.get_data_adapter`, which returns a `DataAdapter` input
    unchanged and drops it. `install()` also wraps that function: for an
@@ -117,6 +120,10 @@ class EpochInput(_data_adapter.DataAdapter):
         num_batches: `dataset -> int`, the batches in one epoch's dataset (-1
             infinite, -2 unknown); the caller's (`tfdp.training.batch.num_batches`),
             so that this module depends on nothing of tfdp's.
+        start_at: `(dataset, batch) -> (dataset, still_to_skip)`: the epoch's
+            dataset entered at `batch`, and how many batches its distributed
+            iterator must still consume (the caller's,
+            `tfdp.training.input_position.start_at_batch`).
     """
 
     def __init__(
@@ -126,11 +133,13 @@ class EpochInput(_data_adapter.DataAdapter):
         steps_per_epoch: int,
         position: Callable[[], tuple[int, int] | None],
         num_batches: Callable[[Any], int],
+        start_at: Callable[[Any, int], tuple[Any, int]],
     ):
         self._dataset_fn = dataset_fn
         self._steps_per_epoch = steps_per_epoch
         self._position = position
         self._num_batches = num_batches
+        self._start_at = start_at
         self.in_use = False  # set when a `fit` adopts this input
         self.class_weight = None  # fit's `class_weight`, recorded by the patched get_data_adapter
 
@@ -150,11 +159,11 @@ class EpochInput(_data_adapter.DataAdapter):
     def dataset(self, epoch: int, skip: int = 0):
         """The global batches of `epoch` from batch `skip` on.
 
-        A `tf.data.Dataset` is cut to `steps_per_epoch` batches and skips
-        `skip` of them without reading them. A distributed dataset (as
-        `pipelines.make_dataset` returns: each input pipeline already batched
-        per replica) is returned whole; `enumerate_epoch` consumes its first
-        `skip` batches, which reads them but trains nothing.
+        Returns `(dataset, still_to_skip)`. The dataset is entered at `skip`
+        by the caller's `start_at`; a `tf.data.Dataset` is then cut to the
+        epoch's remaining batches. A distributed dataset that cannot be
+        entered there is returned whole, and `enumerate_epoch` consumes its
+        first `still_to_skip` batches (reading them, training nothing).
         """
         dataset = self._dataset_fn(epoch)
         if not isinstance(dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)):
@@ -171,19 +180,19 @@ class EpochInput(_data_adapter.DataAdapter):
                 f"{batches}. Keep the data and global batch the same in every epoch "
                 f"(batch with drop_remainder=True)."
             )
+        dataset, left = self._start_at(dataset, skip)
         if isinstance(dataset, tf.distribute.DistributedDataset):
-            return dataset
+            return dataset, left
         if self.class_weight is not None:  # as Keras' TFDatasetAdapter does
             dataset = dataset.map(
                 _tf_dataset_adapter.make_class_weight_map_fn(self.class_weight))
-        dataset = dataset.take(self._steps_per_epoch)
-        return dataset.skip(skip) if skip else dataset
+        return dataset.take(self._steps_per_epoch - skip), 0
 
     # --- the DataAdapter interface fit uses (TensorFlow backend) -------------
 
     def get_tf_dataset(self):
         self.in_use = True
-        return self.dataset(0)
+        return self.dataset(0)[0]
 
     @property
     def num_batches(self):
@@ -224,11 +233,11 @@ class EpochInput(_data_adapter.DataAdapter):
                 f"steps_per_epoch=...) instead."
             )
         epoch, start = self._position() or (0, 0)
-        dataset = self.dataset(epoch, start)
+        dataset, left = self.dataset(epoch, start)
         if isinstance(dataset, tf.distribute.DistributedDataset):
             distributed = iter(dataset)
-            if start:
-                _skip_batches(distributed, tf.constant(start))
+            if left:
+                _skip_batches(distributed, tf.constant(left))
         else:
             strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
             distributed = iter(strategy.experimental_distribute_dataset(dataset))

@@ -14,6 +14,11 @@ import dataclasses
 from tfdp import _checks
 
 
+#: What `num_batches` returns for a dataset of infinite / unknown size (tf.data's values).
+INFINITE = -1
+UNKNOWN = -2
+
+
 def num_batches(dataset) -> int:
     """Batches (steps) in `dataset`: -1 if infinite, -2 if unknown.
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfdp.training import input_position
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import train_step as train_step_lib
@@ -62,6 +63,9 @@ class ReplicaSteps:
         train_loss, eval_loss: `keras.metrics.Mean` of the loss, as one device logs it.
         train_metrics, eval_metrics: the metrics, one set for each.
         train_loop: `tf.function` `(iterator, num_steps)`: `num_steps` train steps.
+        train_loop_until_end: `tf.function` `(iterator, num_steps)`: up to
+            `num_steps` train steps, fewer when the iterator ends; returns
+            the steps run (an int64 scalar), for inputs of unknown size.
         eval_step: `tf.function` `(data)`: one evaluation step.
     """
 
@@ -89,6 +93,7 @@ class ReplicaSteps:
         # As Keras does: XLA compiles the whole `strategy.run` of one step.
         self._step = tf.function(self._step_fn, jit_compile=True) if jit_compile else self._step_fn
         self.train_loop = tf.function(self._train_loop_fn)
+        self.train_loop_until_end = tf.function(self._train_loop_until_end_fn)
         self._skip_loop = tf.function(self._skip_loop_fn)
         self.eval_step = tf.function(self._eval_step_fn)
 
@@ -140,6 +145,16 @@ class ReplicaSteps:
         for _ in tf.range(num_steps):
             self._step(next(iterator))
 
+    def _train_loop_until_end_fn(self, iterator, num_steps):
+        ran = tf.constant(0, tf.int64)
+        for _ in tf.range(num_steps):
+            data = iterator.get_next_as_optional()
+            if not data.has_value():
+                break
+            self._step(data.get_value())
+            ran += 1
+        return ran
+
     def _skip_loop_fn(self, iterator, num_steps):
         for _ in tf.range(num_steps):
             next(iterator)
@@ -154,11 +169,16 @@ class ReplicaSteps:
         self.strategy.run(self._replica_eval_step, args=(data,))
 
     def distribute(self, dataset, skip: int):
-        """A distributed iterator over `dataset`, with `skip` batches already consumed."""
+        """A distributed iterator over `dataset`, entered at its batch `skip`.
+
+        How the first `skip` batches are passed over, and what that costs, is
+        `tfdp.training.input_position`'s: a dataset with `start_at_batch`
+        (`pipelines.make_dataset`'s) starts there without reading them.
+        """
+        dataset, left = input_position.start_at_batch(dataset, skip)
         if isinstance(dataset, tf.data.Dataset):
-            dataset = self.strategy.experimental_distribute_dataset(dataset.skip(skip))
-            return iter(dataset)
+            dataset = self.strategy.experimental_distribute_dataset(dataset)
         iterator = iter(dataset)
-        if skip:
-            self._skip_loop(iterator, tf.constant(skip))
+        if left:
+            self._skip_loop(iterator, tf.constant(left))
         return iterator

@@ -16,9 +16,17 @@ of skipped non-finite steps, whose sum is the number of global batches
 consumed; the epoch and the position inside it follow from `steps_per_epoch`;
 the dataset for an
 epoch is rebuilt (`dataset(epoch)` when `dataset` is a callable, whose order
-must depend only on its seed and the epoch) and the batches already consumed
-are skipped. A resumed run then sees each example exactly once per epoch and
-ends with the same weights as a run that never stopped.
+must depend only on its seed and the epoch) and entered at the batch the
+epoch had reached. A resumed run then sees each example exactly once per
+epoch and ends with the same weights as a run that never stopped.
+
+What entering costs is `tfdp.training.input_position`'s: nothing for the
+skipped examples with `pipelines.make_dataset` (it seeks), and for other
+inputs the input work of the epoch so far (never more than one epoch). A
+dataset of unknown size (`cardinality() == -2`, e.g. after `filter`) is
+trained epoch by epoch until it ends; the checkpoint then also holds the
+epoch and the step it began at (`input_position/epoch`,
+`input_position/epoch_start`), so a resume re-enters that epoch only.
 """
 
 from __future__ import annotations
@@ -280,6 +288,7 @@ class Trainer:
         self._checkpoints = None
         self._last_saved_step = None
         self._summary_writer = None
+        self._epoch_position: dict[str, tf.Variable] | None = None
         if model_dir is not None:
             self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                    **checkpointing.random_state(model))
@@ -339,7 +348,15 @@ class Trainer:
                 callable form resumes exactly mid-epoch: its order must depend
                 only on its seed and `epoch`. A plain dataset is iterated
                 again each epoch, which resumes exactly only if it yields the
-                same order every time.
+                same order every time. A resume enters the epoch at its
+                batch: `pipelines.make_dataset`'s datasets seek there without
+                reading the batches before; any other dataset reads (and a
+                distributed one also copies) them, at most one epoch's worth
+                (`tfdp.training.input_position`). A dataset of unknown size
+                is trained epoch after epoch, each until it ends (with
+                `steps`); an infinite one is a single epoch, so resuming it
+                re-reads every batch since step 0: pass `steps_per_epoch`
+                with a callable to bound that.
             steps: total training steps (global batches, skipped ones
                 included) to reach, counting restored ones.
             epochs: total epochs to reach; needs `steps_per_epoch` or a
@@ -375,6 +392,7 @@ class Trainer:
         dataset_for_epoch = dataset if callable(dataset) and not isinstance(
             dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)
         ) else (lambda epoch: dataset)
+        until_end = False
         if steps_per_epoch is None:
             steps_per_epoch = batch_lib.num_batches(dataset_for_epoch(0))
         if steps_per_epoch < 1:  # unknown, infinite or empty
@@ -383,8 +401,13 @@ class Trainer:
                     "The dataset's number of batches is unknown or infinite, so "
                     "`epochs` cannot be counted. Pass steps_per_epoch=..."
                 )
+            # Unknown: an epoch lasts until the dataset ends. Infinite: the
+            # whole run is one epoch.
+            until_end = steps_per_epoch == batch_lib.UNKNOWN
             steps_per_epoch = steps
         total_steps = steps if steps is not None else epochs * steps_per_epoch
+        if until_end:
+            self._track_epochs()  # before restoring: the checkpoint holds them
 
         restored = self.restore()
         global_step = self.global_step
@@ -399,11 +422,97 @@ class Trainer:
 
         watcher = self._start_watching_sigterm()
         try:
-            logs = self._train_steps(dataset_for_epoch, global_step, total_steps, steps_per_epoch)
+            if until_end:
+                logs = self._train_epochs_until_end(dataset_for_epoch, global_step, total_steps)
+            else:
+                logs = self._train_steps(
+                    dataset_for_epoch, global_step, total_steps, steps_per_epoch)
         finally:
             if watcher is not None:
                 watcher.stop()
         return logs
+
+    def _track_epochs(self) -> None:
+        """Adds the epoch and the step it began at to the checkpoint (unknown-size input)."""
+        if self._epoch_position is None:
+            with tf.init_scope():  # plain variables: every worker holds the same values
+                self._epoch_position = {
+                    name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
+                    for name in ("epoch", "epoch_start")
+                }
+        if self._checkpoint is not None and not hasattr(self._checkpoint, "input_position"):
+            self._checkpoint.input_position = tf.train.Checkpoint(**self._epoch_position)
+
+    def _train_epochs_until_end(self, dataset_for_epoch, global_step, total_steps) -> dict:
+        """The loop for a dataset of unknown size: each epoch runs until the dataset ends.
+
+        The epoch and the step it began at are checkpointed, so a resume
+        enters the current epoch at `global_step - epoch_start` and skips at
+        most that epoch's batches.
+        """
+        start_step, start_time = global_step, time.perf_counter()
+        if self._monitor is not None:
+            self._monitor.prime()
+        position = self._epoch_position
+        if global_step == 0:
+            position["epoch"].assign(0)
+            position["epoch_start"].assign(0)
+        logs: dict = {}
+        checked = False
+        while global_step < total_steps:
+            epoch = int(position["epoch"].numpy())
+            offset = global_step - int(position["epoch_start"].numpy())
+            dataset = dataset_for_epoch(epoch)
+            if not checked:
+                batch_lib.check_first_batch(dataset, self.batch, owner="tfdp Trainer")
+                checked = True
+            iterator = self._steps.distribute(dataset, offset)
+            self._reset(self._steps.train_loss, *self._steps.train_metrics)
+            ran_this_epoch = 0
+            while global_step < total_steps:
+                num = total_steps - global_step
+                num = min(self.steps_per_loop, num)
+                if self.checkpoint_every:
+                    num = min(num, self.checkpoint_every - global_step % self.checkpoint_every)
+                loop_start = time.perf_counter()
+                self.train_loop_begin()
+                ran = int(self._steps.train_loop_until_end(iterator, tf.constant(num)))
+                self.train_loop_end()
+                if ran:
+                    logs = self._results(self._steps.train_loss, self._steps.train_metrics)
+                    elapsed = time.perf_counter() - loop_start
+                    global_step += ran
+                    ran_this_epoch += ran
+                    if self._monitor is not None:
+                        self._check_steps(self._monitor.check(), global_step)
+                    self._log_progress(global_step, total_steps, logs,
+                                       ran * self.batch.global_batch / elapsed)
+                    if self.checkpoint_every and global_step % self.checkpoint_every == 0:
+                        self._save(global_step)
+                    self._position = global_step
+                    if self._watcher is not None:
+                        self._watcher.step_end()
+                if ran < num:  # the dataset ended: the next epoch begins here
+                    if not ran_this_epoch and not offset:
+                        raise ValueError(
+                            f"tfdp Trainer: dataset({epoch}) yielded no batch. Every epoch of "
+                            f"a dataset of unknown size must hold at least one global batch.")
+                    self._sync_pending()
+                    position["epoch"].assign(epoch + 1)
+                    position["epoch_start"].assign(global_step)
+                    break
+        self._sync_pending()
+        if self._checkpoints is not None and global_step > start_step:
+            self._save(global_step)
+        elapsed = time.perf_counter() - start_time
+        trained = global_step - start_step
+        return {
+            **logs,
+            "steps": global_step,
+            "epochs": float(position["epoch"].numpy()),
+            "skipped_steps": self.skipped_steps,
+            "examples_per_second": trained * self.batch.global_batch / elapsed if trained else 0.0,
+        }
 
     def _train_steps(self, dataset_for_epoch, global_step, total_steps, steps_per_epoch) -> dict:
         start_step, start_time = global_step, time.perf_counter()

@@ -16,6 +16,7 @@ import pytest
 import backup_testing as bt
 from tfdp._upstream import keras_fit_resume
 from tfdp.training import batch as batch_lib
+from tfdp.training import input_position
 from keras.src.trainers.data_adapters import data_adapter
 
 
@@ -74,7 +75,7 @@ def test_without_the_patch_every_epoch_starts_at_batch_0():
     position = (0, 2)
     epoch_input = keras_fit_resume.EpochInput(
         bt.dataset_for_epoch, steps_per_epoch=bt.STEPS_PER_EPOCH, position=lambda: position,
-        num_batches=batch_lib.num_batches)
+        num_batches=batch_lib.num_batches, start_at=input_position.start_at_batch)
     recorder = _Batches()
     keras_fit_resume.install()
     assert keras_fit_resume.uninstall()

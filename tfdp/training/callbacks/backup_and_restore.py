@@ -35,6 +35,7 @@ from absl import logging
 from tfdp import _checks
 from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
+from tfdp.training import input_position
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_state
 from tfdp.training import step_monitor
@@ -190,9 +191,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 by seeding with the epoch), or a `tf.data.Dataset` that yields
                 the same batches in the same order every time it is iterated.
                 The callable may also return a distributed dataset (such as
-                `pipelines.make_dataset` builds); a resumed epoch then reads
-                and discards the batches already trained instead of skipping
-                them unread.
+                `pipelines.make_dataset` builds). A resumed epoch is entered
+                at its batch as `tfdp.training.input_position` says:
+                `pipelines.make_dataset`'s datasets seek there without
+                reading, preprocessing or copying the batches before it; any
+                other `tf.data.Dataset` pulls them through its pipeline
+                (`skip`), and any other distributed dataset also splits and
+                copies them to the devices: the input work of the epoch so
+                far.
             steps_per_epoch: batches per epoch; each epoch's dataset is cut to
                 this many. Defaults to the cardinality of `dataset(0)`, which
                 must then be known and finite (batch with
@@ -246,13 +252,35 @@ class BackupAndRestore(keras.callbacks.Callback):
             _checks.check_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._input = keras_fit_resume.EpochInput(
             dataset_fn, steps_per_epoch=steps_per_epoch, position=self._position,
-            num_batches=batch_lib.num_batches,
+            num_batches=batch_lib.num_batches, start_at=input_position.start_at_batch,
         )
         return self._input
 
     def _position(self):
-        """(epoch, first batch) for the epoch `fit` is starting; None outside training."""
-        return (self._epoch, self._batch) if self._training else None
+        """(epoch, first batch) for the epoch `fit` is starting.
+
+        Before `on_train_begin` (Keras reads one batch of the input to build
+        the model symbolically, under a strategy), the position the backup
+        in `backup_dir` will resume at, so that the batch read is one the
+        resumed epoch trains on, not one before its position (which
+        `pipelines.make_dataset`'s seek would otherwise have to decode and
+        preprocess); `None` (epoch 0) when there is none.
+        """
+        if self._training:
+            return (self._epoch, self._batch)
+        try:
+            path = tf.train.latest_checkpoint(self.backup_dir)
+            if path is None:
+                return None
+            values = {name: int(tf.train.load_variable(
+                path, f"progress/{name}/.ATTRIBUTES/VARIABLE_VALUE"))
+                for name in ("epoch", "batch", "steps_per_epoch")}
+        except (tf.errors.OpError, ValueError, IndexError):
+            return None  # on_train_begin refuses it, with the reason
+        epoch, batch, steps = values["epoch"], values["batch"], values["steps_per_epoch"]
+        if steps > 0 and batch >= steps:
+            epoch, batch = epoch + 1, 0
+        return epoch, batch
 
     # --- Keras hooks ------------------------------------------------------------
 

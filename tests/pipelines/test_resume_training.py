@@ -1,0 +1,162 @@
+"""Resuming `fit` (BackupAndRestore) and `tfdp.Trainer` late in an epoch of `make_dataset`.
+
+Reference checks on 2 logical CPU replicas: the resumed run ends with the
+weights of an uninterrupted run and trains on the same examples (recorded
+inside the train step), and its input pipeline preprocesses only the
+examples after the position (a counting `preprocess`): the seek of
+`tfdp.training.input_position` through `make_dataset(...).start_at_batch`.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp import pipelines
+from tfdp.callbacks import BackupAndRestore
+from tfdp.pipelines.source import Source
+from pipeline_testing import get_strategy
+
+NUM_EXAMPLES, GLOBAL_BATCH, EPOCHS = 96, 8, 1
+STEPS_PER_EPOCH = NUM_EXAMPLES // GLOBAL_BATCH  # 12
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+STOP_AT = TOTAL - 2  # batch 10 of 12: late in the epoch
+
+
+class Examples(Source):
+    """Example `i`: features `[i, sin i, cos i]`, label `i % 3`; addressable by index."""
+
+    name = "examples"
+
+    def read(self, split, *, input_context=None, shuffle_files=False, seed=None):
+        return tf.data.Dataset.range(NUM_EXAMPLES).map(self.example_at(split))
+
+    def example_at(self, split):
+        def example(i):
+            x = tf.cast(i, tf.float32)
+            return tf.stack([x, tf.sin(x), tf.cos(x)]), i % 3
+
+        return example
+
+    def num_examples(self, split):
+        return NUM_EXAMPLES
+
+
+class Recorder:
+    """Ids the model trained on, and the preprocess calls of the pipelines."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+        self.preprocessed: list[int] = []
+
+    def record(self, ids):
+        self.seen.extend(int(i) for i in ids.numpy())
+
+    def _preprocessed(self, i):
+        self.preprocessed.append(int(i.numpy()))
+
+    def preprocess(self, features, label):
+        tf.py_function(self._preprocessed, [tf.cast(features[0], tf.int64)], [])
+        return features, label
+
+
+def _datasets(strategy, recorder: Recorder):
+    def dataset_for_epoch(epoch):
+        return pipelines.make_dataset(
+            Examples(), strategy=strategy, global_batch=GLOBAL_BATCH, seed=10 + epoch,
+            preprocess=recorder.preprocess)
+
+    return dataset_for_epoch
+
+
+def _model(strategy, recorder: Recorder, seed: int):
+    class IdRecorder(keras.layers.Layer):
+        def call(self, inputs, training=None):
+            if training:
+                tf.py_function(recorder.record, [tf.cast(inputs[:, 0], tf.int64)], [])
+            return inputs[:, 1:]
+
+        def compute_output_shape(self, input_shape):
+            return (input_shape[0], input_shape[1] - 1)
+
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((3,)), IdRecorder(), keras.layers.Dense(3)])
+    return model
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= STOP_AT:
+            raise Interrupted()
+
+
+def _fit(strategy, recorder, backup_dir, seed, callbacks=()):
+    model = _model(strategy, recorder, seed)
+    with strategy.scope():
+        tfdp.compile(model, optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=_loss())
+    backup = BackupAndRestore(backup_dir, save_freq=2)
+    keras.utils.set_random_seed(0)  # the same global seed whenever datasets are built
+    model.fit(backup.wrap(_datasets(strategy, recorder)), epochs=EPOCHS, verbose=0,
+              callbacks=[backup, *callbacks])
+    return model
+
+
+def _trainer(strategy, recorder, model_dir, seed):
+    model = _model(strategy, recorder, seed)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    return tfdp.Trainer(model, optimizer=optimizer, loss=_loss(), strategy=strategy,
+                        batch=tfdp.BatchConfig.from_global(GLOBAL_BATCH, 2),
+                        model_dir=model_dir, checkpoint_every=2)
+
+
+def _train(strategy, recorder, model_dir, seed, steps):
+    trainer = _trainer(strategy, recorder, model_dir, seed)
+    keras.utils.set_random_seed(0)
+    trainer.train(_datasets(strategy, recorder), steps=steps)
+    return trainer.model
+
+
+@pytest.mark.parametrize("loop", ["fit", "trainer"])
+def test_a_late_resume_preprocesses_nothing_it_skips_and_ends_as_uninterrupted(loop, tmp_path):
+    strategy = get_strategy("mirrored2")
+    straight, first, second = Recorder(), Recorder(), Recorder()
+    if loop == "fit":
+        want = _fit(strategy, straight, str(tmp_path / "straight"), seed=1)
+        with pytest.raises(Interrupted):
+            _fit(strategy, first, str(tmp_path / "resumed"), seed=1, callbacks=[InterruptAt()])
+        got = _fit(strategy, second, str(tmp_path / "resumed"), seed=2)
+    else:
+        want = _train(strategy, straight, str(tmp_path / "straight"), seed=1, steps=TOTAL)
+        _train(strategy, first, str(tmp_path / "resumed"), seed=1, steps=STOP_AT)
+        got = _train(strategy, second, str(tmp_path / "resumed"), seed=2, steps=TOTAL)
+
+    for w, g in zip(want.get_weights(), got.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    # The resumed run trained on the examples the uninterrupted one did from
+    # step STOP_AT on, and preprocessed those only: none of the 10 batches
+    # of the epoch before the position. (fit reads one batch before training
+    # to build the model, from a dataset of its own: at most the 2 batches
+    # left are preprocessed twice.)
+    rest = straight.seen[STOP_AT * GLOBAL_BATCH:]
+    assert collections.Counter(second.seen) == collections.Counter(rest)
+    assert len(rest) == 2 * GLOBAL_BATCH
+    assert set(second.preprocessed) == set(rest)
+    calls = len(second.preprocessed)
+    assert calls == len(rest) if loop == "trainer" else len(rest) <= calls <= 2 * len(rest)
+    # Each example once per epoch, across the interruption.
+    assert sorted(first.seen[:STOP_AT * GLOBAL_BATCH] + second.seen) == list(range(NUM_EXAMPLES))
