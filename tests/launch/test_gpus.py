@@ -238,4 +238,5 @@ def test_cli_refuses_gpus_that_cannot_be_shared(tmp_path, monkeypatch, capsys, v
     err = capsys.readouterr().err
     assert fragment in err
     assert "Traceback" not in err
+    assert not marker.exists()  # no worker was started
     assert not marker.exists()

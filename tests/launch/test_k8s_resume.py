@@ -76,6 +76,20 @@ def test_manifest_round_trips_through_the_operators_models(tmp_path, argv):
     assert type(job).__name__ == "KubeflowOrgV1TFJob"
 
 
+def test_the_manifest_is_written_without_kubeflow_training(tmp_path):
+    # It is an optional extra: `tfdp-launch k8s` must not need it.
+    path = tmp_path / "tfjob.yaml"
+    program = ("import sys; sys.modules['kubeflow'] = None  # any import of it fails\n"
+               "from tfdp.launch import __main__ as launch_main\n"
+               f"sys.exit(launch_main.main(['k8s', '--image', 'tfdp', '--workers', '2', "
+               f"'--pvc', 'runs', '--output', {str(path)!r}, '--', 'tfdp-train', "
+               f"'--model_dir', '/workspace/a']))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert _worker(yaml.safe_load(path.read_text()))["restartPolicy"] == "ExitCode"
+
+
 def test_a_misplaced_field_fails_the_round_trip(tmp_path):
     manifest = _write_manifest(tmp_path, ["--pvc", "runs"], ["tfdp-train"])
     # `volumes` belongs to the pod spec, not to the container: the models drop it.
