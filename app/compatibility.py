@@ -218,13 +218,16 @@ def check_split(split: str, data: data_description.DataDescription | None, *, fl
             f"are {', '.join(data.splits)}.")
 
 
-def eval_split(requested: str | None, data: data_description.DataDescription | None) -> str:
+def eval_split(requested: str | None, data: data_description.DataDescription | None, *,
+               flag: str = "--eval_split") -> str:
     """The split to evaluate on: `requested`, else `test`, else `validation`.
 
     Args:
         requested: `--eval_split`, or `None` for the default.
         data: the dataset's description; with unknown split names (`None`, or
             `splits=None`) the first default is taken.
+        flag: the flag that picks the split, for messages (`tfdp-predict`
+            says `--split`). Defaults to `"--eval_split"`.
 
     Raises:
         IncompatibleError: `requested` is not a split of the dataset, or it is
@@ -232,7 +235,7 @@ def eval_split(requested: str | None, data: data_description.DataDescription | N
             splits.
     """
     if requested is not None:
-        check_split(requested, data, flag="--eval_split")
+        check_split(requested, data, flag=flag)
         return requested
     if data is None or data.splits is None:
         return DEFAULT_EVAL_SPLITS[0]
@@ -241,5 +244,5 @@ def eval_split(requested: str | None, data: data_description.DataDescription | N
             return split
     raise IncompatibleError(
         f"--dataset={data.name} has no {' or '.join(repr(s) for s in DEFAULT_EVAL_SPLITS)} split "
-        f"to evaluate on; its splits are {', '.join(data.splits)}. Pass --eval_split=NAME "
-        f"(e.g. --eval_split={data.splits[-1]}), or --noeval.")
+        f"to evaluate on; its splits are {', '.join(data.splits)}. Pass {flag}=NAME "
+        f"(e.g. {flag}={data.splits[-1]})" + (", or --noeval." if flag == "--eval_split" else "."))

@@ -10,7 +10,7 @@ vocabulary) at two moments of a `tfdp-train` run:
   strategy must be built first (`MultiWorkerMirroredStrategy` configures
   collectives at start-up), and a refusal here costs a second. Datasets it
   cannot describe that way (your `python:` code) give `None`.
-- `describe_source`: from a built `pipelines.Source` and its `SourceInfo`,
+- `describe_source`: from a built `pipelines.Source` and its features' spec,
   once the strategy exists (the element spec is then exact, e.g. the size of
   your TFRecord images).
 
@@ -207,17 +207,19 @@ def describe_synthetic(source) -> DataDescription | None:
     return None
 
 
-def describe_source(name: str, source, info, *, before: DataDescription | None) -> DataDescription:
-    """A built source described from its `SourceInfo` (after the strategy exists).
+def describe_source(name: str, source, features, num_classes, *,
+                    before: DataDescription | None = None) -> DataDescription:
+    """A built source described from its features' spec (after the strategy exists).
 
     Args:
         name: the `--dataset` value.
         source: the `pipelines.Source`.
-        info: its `SourceInfo` for the training split.
+        features: the `tf.TensorSpec` of one example's features, as read
+            (`SourceInfo.features`, or a dataset's `element_spec[0]`).
+        num_classes: label classes, or None.
         before: what `describe_before_strategy` said (its split names are
             kept when the source cannot list its own), or `None`.
     """
-    features = info.features
     shape = getattr(features, "shape", None)
     dtype = getattr(features, "dtype", None)
     splits = before.splits if before is not None else None
@@ -226,9 +228,9 @@ def describe_source(name: str, source, info, *, before: DataDescription | None) 
         splits = tuple(sorted(builder.info.splits.keys()))
     return DataDescription(
         name=name,
-        shape=None if shape is None else tuple(shape.as_list()),
+        shape=None if shape is None or shape.rank is None else tuple(shape.as_list()),
         dtype=None if dtype is None else dtype.name,
-        num_classes=info.num_classes, splits=splits,
+        num_classes=num_classes, splits=splits,
         vocab_size=getattr(source, "vocab_size", None),
         max_length=getattr(source, "max_length", None),
         kind_hint=before.kind_hint if before is not None else None,

@@ -349,7 +349,10 @@ def _training_steps(optimizer) -> int:
     updates only, so steps skipped for a non-finite loss or gradient are added back
     (`Trainer.global_step`'s count)."""
     guard = nonfinite_lib.guard_of(optimizer)
-    skipped = 0 if guard is None else int(keras.ops.convert_to_numpy(guard.skipped_steps))
+    # The guard's counters exist once the optimizer is built (fit builds it on
+    # its first step, after on_train_begin); none skipped before that.
+    counter = None if guard is None else getattr(guard, "skipped_steps", None)
+    skipped = 0 if counter is None else int(keras.ops.convert_to_numpy(counter))
     return int(optimizer.iterations.numpy()) + skipped
 
 

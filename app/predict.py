@@ -29,6 +29,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+from tfdp.app import compatibility  # noqa: E402
+from tfdp.app import data_description  # noqa: E402
 from tfdp.app import user_data  # noqa: E402
 from tfdp.app.run_model import UsageError  # noqa: E402
 from tfdp.app.run_model import finished_run  # noqa: E402
@@ -43,7 +45,8 @@ flags.DEFINE_string("model_dir", None, "A finished tfdp-train run: its summary.j
                     "model, its checkpoint holds the weights.")
 flags.DEFINE_string("dataset", None, "Registered dataset to score (default: the one the run "
                     "was trained on).")
-flags.DEFINE_string("split", "test", "Split of --dataset to score.")
+flags.DEFINE_string("split", None, "Split of --dataset to score (default: the split the run "
+                    "evaluated on, for the run's own dataset; else test, else validation).")
 flags.DEFINE_string("files", None, "With --dataset=tfrecord: glob(s), comma-separated, of the "
                     "TFRecord files of tf.train.Example records to score, in order.")
 flags.DEFINE_string("image_key", None, "With --dataset=tfrecord: the feature holding the JPEG "
@@ -95,29 +98,60 @@ def _tfrecord_options(run_config: dict):
         raise UsageError(str(error)) from None
 
 
-def _dataset(name: str, split: str, data_dir, run_config: dict):
-    """The split's raw examples and the preprocessing tfdp-train applies to them."""
+def _default_split(name: str, source, summary: dict) -> str:
+    """The run's evaluation split on its own dataset; else test, else validation."""
+    if name == summary["config"]["dataset"] and summary.get("eval_split"):
+        return summary["eval_split"]
+    builder = getattr(source, "builder", None)  # a TFDS source lists its splits
+    splits = (tuple(sorted(builder.info.splits)) if builder is not None and builder.info.splits
+              else None)
+    described = data_description.DataDescription(name=name, shape=None, dtype=None,
+                                                 num_classes=None, splits=splits)
+    try:
+        return compatibility.eval_split(None, described, flag="--split")
+    except compatibility.IncompatibleError as error:
+        raise UsageError(str(error)) from None
+
+
+def _dataset(name: str, split: str | None, data_dir, summary: dict):
+    """The split's raw examples, the preprocessing tfdp-train applied to the run's
+    data (images scaled and resized to --image_size, tokens padded to the model's
+    length), and the split's name.
+
+    Raises:
+        UsageError: unknown dataset or split, or examples the model cannot read.
+    """
     from tfdp import pipelines
 
+    run_config = summary["config"]
     try:
         if name == user_data.TFRECORD:
             source, split = _tfrecord_options(run_config).source(), "predict"
         else:
             pipelines.check_source_name(name)
-            source = pipelines.get_source(name, split=split, data_dir=data_dir)
+            source = pipelines.get_source(name, data_dir=data_dir)
+            split = split or _default_split(name, source, summary)
         source.check_split(split)
     except ValueError as error:
         raise UsageError(f"--dataset/--split: {error}") from None
     if name == user_data.TFRECORD:
         # Raw records in: each worker decodes only the images it scores.
         parse, normalize = source.parse_function(), pipelines.for_images(training=False)
-        return source.records(split), lambda record: normalize(*parse(record))
+        return source.records(split), lambda record: normalize(*parse(record)), split
     dataset = source.read(split)
     features = dataset.element_spec[0]
-    preprocess = None
-    if getattr(features, "dtype", None) is not None and features.dtype.name == "uint8":
-        preprocess = pipelines.for_images(training=False)
-    return dataset, preprocess
+    data = data_description.describe_source(name, source, features, source.num_classes())
+    model_info = summary.get("model") or {}
+    input_shape = model_info.get("input_shape") or [None]
+    try:
+        plan = compatibility.check(
+            run_config["model"], data, image_size=run_config.get("image_size"),
+            sequence_length=input_shape[0] if data.kind == "tokens" else None,
+            num_classes=model_info.get("num_classes"), hints=False)
+    except compatibility.IncompatibleError as error:
+        raise UsageError(f"{error} (--model is the model of --model_dir={FLAGS.model_dir})"
+                         ) from None
+    return dataset, plan.preprocess(features, training=False), split
 
 
 def run_predict() -> dict:
@@ -141,7 +175,7 @@ def run_predict() -> dict:
     strategy = strategy_lib.make_strategy(FLAGS.strategy, cpu_replicas=FLAGS.cpu_replicas)
     dataset_name = FLAGS.dataset or run_config["dataset"]
     data_dir = FLAGS.data_dir if FLAGS.data_dir is not None else run_config.get("data_dir")
-    dataset, preprocess = _dataset(dataset_name, FLAGS.split, data_dir, run_config)
+    dataset, preprocess, split = _dataset(dataset_name, FLAGS.split, data_dir, summary)
     model, checkpoint = restore_model(FLAGS.model_dir, run_config, strategy, data_dir=data_dir,
                                       model_info=summary.get("model"))
     try:
@@ -155,7 +189,7 @@ def run_predict() -> dict:
         )
     except ValueError as error:
         raise UsageError(f"{error} (--model_dir={FLAGS.model_dir}, --dataset={dataset_name}, "
-                         f"--split={FLAGS.split})") from None
+                         f"--split={split})") from None
     return dataclasses.asdict(result)
 
 

@@ -80,7 +80,8 @@ def restore_model(model_dir: str, run_config: dict, strategy, *, data_dir, model
         keras.config.set_dtype_policy(run_config["mixed_precision"])
     with strategy.scope():
         model = models.get(run_config["model"], input_shape=tuple(trained_on.features.shape),
-                           num_classes=trained_on.num_classes)
+                           num_classes=trained_on.num_classes,
+                           **(model_info or {}).get("arguments", {}))
     checkpoint_path = tf.train.latest_checkpoint(model_dir)
     status = tf.train.Checkpoint(model=model).restore(checkpoint_path)
     try:

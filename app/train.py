@@ -239,7 +239,8 @@ def _build_dataset(config: run_config.RunConfig, before=None):
         if isinstance(source, str):  # a registered or TFDS name: its Source says more
             source = pipelines.get_source(source, data_dir=config.data_dir)
         info = pipelines.describe_source(source, split="train", data_dir=config.data_dir)
-        data = data_description.describe_source(config.dataset, source, info, before=before)
+        data = data_description.describe_source(config.dataset, source, info.features,
+                                                info.num_classes, before=before)
         made["plan"] = compatibility.check(
             config.model, data, image_size=config.image_size,
             sequence_length=config.sequence_length, num_classes=config.num_classes)
@@ -292,10 +293,16 @@ def _build_model(config: run_config.RunConfig):
     return build
 
 
-def _check_inputs(config: run_config.RunConfig):
+def _check_inputs(config: run_config.RunConfig, *, require_prepared: bool = True):
     """Checks --model against --dataset and its splits from metadata alone.
 
     Starts no TensorFlow runtime (see `_check_names`).
+
+    Args:
+        config: the run's options.
+        require_prepared: refuse a TFDS dataset that is not prepared. Defaults
+            to True (False checks a command for another machine, e.g. the
+            README's).
 
     Returns:
         The dataset's `DataDescription`, or None when it is known only once
@@ -306,7 +313,7 @@ def _check_inputs(config: run_config.RunConfig):
             prepared), or does not fit the model, or lacks a split.
     """
     data = data_description.describe_before_strategy(config)
-    if data is not None and data.unavailable:
+    if data is not None and data.unavailable and require_prepared:
         raise run_config.ConfigError(f"--dataset={config.dataset}: {data.unavailable}.")
     compatibility.check(config.model, data, image_size=config.image_size,
                         sequence_length=config.sequence_length, num_classes=config.num_classes)

@@ -3,7 +3,8 @@
 `tfdp.app.compatibility.check` on the datasets' static descriptions (no
 TensorFlow runtime), its refusals through `tfdp-train` (exit 2, one line, both
 flags, before any strategy), and what it plans (resize, padding, vocabulary).
-The 2-step runs of every accepted pair are in test_train_matrix.py.
+The 2-step runs are in test_train_matrix.py; that describing and checking
+start no TensorFlow runtime is tested in a fresh process by tests/test_readme.py.
 """
 
 import pytest
@@ -49,31 +50,6 @@ def test_the_registered_datasets_are_described_from_their_metadata():
     assert described["synthetic_images"].describe() == "32x32x3 uint8 images"
     assert described["synthetic_tokens"].kind == "tokens"
     assert described["synthetic_tokens"].max_length == 64
-
-
-def test_describing_starts_no_runtime_so_the_strategy_can_still_split_the_cpu(tmp_path):
-    """In a fresh process: describe every dataset, check every pair, then split the CPU."""
-    import subprocess
-    import sys
-
-    script = (
-        "import tfdp\n"
-        "from tfdp import models, pipelines\n"
-        "from tfdp.app import compatibility, data_description, run_config\n"
-        "for name in pipelines.known_sources():\n"
-        "    data = data_description.describe_before_strategy(run_config.RunConfig(dataset=name))\n"
-        "    for model in models.names():\n"
-        "        try:\n"
-        "            compatibility.check(model, data)\n"
-        "        except compatibility.IncompatibleError:\n"
-        "            pass\n"
-        "tfdp.configure_cpu_devices(2)\n"
-        "import tensorflow as tf\n"
-        "print(len(tf.config.list_logical_devices('CPU')))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    assert out.strip().splitlines()[-1] == "2"
 
 
 @pytest.mark.parametrize("model, dataset", PAIRS)
