@@ -274,3 +274,19 @@ def test_weights_gathered_in_several_buckets_equal_one(strategies, monkeypatch):
     assert len(sharded.optimizer.sharding._buckets()) == 4
     plain = fit(strategy, "adam", False)
     assert_same_state(strategy, sharded, plain)
+
+
+@pytest.mark.parametrize("load_on", [4, 1])
+def test_keras_file_holds_the_unsharded_state_and_loads_on_any_replica_count(
+        strategies, tmp_path, load_on):
+    """`model.save()` gathers the chunks; `load_model` cuts them for its own replicas."""
+    sharded = fit(strategies[2], "adam", True)
+    plain = fit(strategies[2], "adam", False)
+    path = str(tmp_path / "model.keras")
+    sharded.save(path)
+    strategy = strategies.get(load_on) or tfdp.make_strategy(cpu_replicas=load_on)
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    assert loaded.optimizer.shards_optimizer_state
+    assert loaded.optimizer.sharding.num_shards == load_on
+    assert_same_state(strategy, loaded, plain)

@@ -60,6 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.distribute import reduction
+from tfdp.distribute import strategy_info as strategy_info_lib
 
 #: Keras optimizers whose update needs a whole variable or more.
 _WHOLE_VARIABLE = tuple(
@@ -199,6 +200,7 @@ class OptimizerSharding:
     """
 
     def __init__(self):
+        self._strategy = None
         self.num_shards = None
         self.active = False
         self.shards: list = []
@@ -216,7 +218,8 @@ class OptimizerSharding:
         """Creates one shard variable per variable and builds `inner_optimizer` on them."""
         check_optimizer(inner_optimizer)
         self._variables = list(variables)
-        self.num_shards = tf.distribute.get_strategy().num_replicas_in_sync
+        self._strategy = tf.distribute.get_strategy()
+        self.num_shards = self._strategy.num_replicas_in_sync
         self.active = self.num_shards > 1
         if not self.active:
             inner_optimizer.build(self._variables)
@@ -225,6 +228,13 @@ class OptimizerSharding:
         self.shards = [self._shard_variable(v) for v in self._variables]
         self._shard_index = {id(s): i for i, s in enumerate(self.shards)}
         inner_optimizer.build(self.shards)
+        # `model.save()` saves the inner optimizer as an object of its own
+        # (Keras' saving_lib walks every attribute), with Keras' methods,
+        # which would write replica 0's chunks. Its own methods lay the state
+        # out as without sharding, so a .keras file loads on any replica count.
+        inner_optimizer.save_own_variables = self._save_inner_variables
+        inner_optimizer.load_own_variables = self._load_inner_variables
+        self._inner = inner_optimizer
         if takes_norm_terms(inner_optimizer):
             # Equal on every replica (set from one all-reduce); read by the
             # inner optimizer's update. Not an attribute it tracks: `self`
@@ -256,6 +266,77 @@ class OptimizerSharding:
     def shard_elements(self) -> int:
         """Elements of the chunks one replica covers (per slot kind), summed over variables."""
         return sum(int(s.shape[0]) for s in self.shards)
+
+    def unsharded_state(self, optimizer) -> dict:
+        """`{id(variable): value}` for `optimizer`'s variables, laid out as without sharding.
+
+        A slot's chunks of every replica are put end to end and shaped like
+        its weight; other variables (iterations, learning rate) are replica
+        0's. What `model.save()` writes (`save_own_variables`), so a `.keras`
+        file is the same with and without sharding and loads on any number
+        of replicas.
+
+        Raises:
+            ValueError: the replicas are on several workers, whose chunks this
+                worker does not hold.
+        """
+        self._check_one_worker("saved into a .keras file")
+        owners = slot_variables(optimizer, len(self._variables))
+        state = {}
+        for variable, owner in zip(optimizer.variables, owners):
+            copies = [np.asarray(keras.ops.convert_to_numpy(c)) for c in
+                      self._strategy.experimental_local_results(_distributed(variable))]
+            if owner is None or not self.active:
+                state[id(variable)] = copies[0]
+            else:
+                weight = self._variables[owner]
+                state[id(variable)] = repartition(copies, _num_elements(weight), 1)[0].reshape(
+                    weight.shape)
+        return state
+
+    def load_unsharded_state(self, optimizer, state: dict) -> None:
+        """Assigns `{id(variable): value}` laid out as without sharding: each replica takes its chunks."""
+        self._check_one_worker("loaded from a .keras file")
+        owners = slot_variables(optimizer, len(self._variables))
+        for variable, owner in zip(optimizer.variables, owners):
+            value = np.asarray(state[id(variable)])
+            copies = self._strategy.experimental_local_results(_distributed(variable))
+            if owner is None or not self.active:
+                chunks = [value] * len(copies)
+            else:
+                weight = self._variables[owner]
+                if value.size != _num_elements(weight):
+                    raise ValueError(
+                        f"The saved optimizer variable for {weight.path} has {value.size} "
+                        f"elements; the weight has {_num_elements(weight)}. Load a file saved "
+                        "from this model.")
+                chunks = repartition([value], _num_elements(weight), self.num_shards)
+            for copy, chunk in zip(copies, chunks):
+                copy.assign(np.reshape(chunk, copy.shape))
+
+    def _save_inner_variables(self, store) -> None:
+        state = self.unsharded_state(self._inner)
+        for i, variable in enumerate(self._inner.variables):
+            store[str(i)] = state[id(variable)]
+
+    def _load_inner_variables(self, store) -> None:
+        variables = self._inner.variables
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"The saved {type(self._inner).__name__} has {len(store.keys())} variables; "
+                f"this one has {len(variables)}. Load a file saved with the same optimizer.")
+        self.load_unsharded_state(self._inner, {id(v): store[str(i)]
+                                                for i, v in enumerate(variables)})
+
+    def _check_one_worker(self, what: str) -> None:
+        workers = strategy_info_lib.strategy_info(self._strategy).num_workers
+        if self.active and workers > 1:
+            raise ValueError(
+                f"An optimizer state sharded over {self.num_shards} replicas on {workers} "
+                f"workers cannot be {what}: each worker holds its own replicas' chunks only. "
+                "Keep it in tfdp's checkpoints instead (tfdp.Trainer(model_dir=...), "
+                "tfdp.callbacks.BackupAndRestore, tfdp-train --model_dir), where every worker "
+                "writes its chunks, or save the weights alone (model.save_weights).")
 
     def _chunk(self, context, tensor, variable):
         """This replica's `[S]` chunk of `tensor` (shaped like `variable`), zero-padded.
@@ -340,6 +421,11 @@ class OptimizerSharding:
                 variable = self._variables[i]
                 full = tf.reshape(columns, [-1])[: _num_elements(variable)]
                 variable.assign(tf.reshape(full, variable.shape))
+
+
+def _distributed(variable):
+    # A Keras variable's tf.Variable (its `value`); a tf.Variable is itself.
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def _num_elements(variable) -> int:

@@ -215,6 +215,33 @@ class _SkipNonFinite:
         else:
             self.inner_optimizer.build(var_list)
 
+    def save_own_variables(self, store):
+        """As Keras' (what `model.save()` writes), with sharded state laid out as unsharded."""
+        if self.sharding is None or not self.sharding.active:
+            return super().save_own_variables(store)
+        state = self.sharding.unsharded_state(self.inner_optimizer)
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = state[id(variable)] if id(variable) in state else variable.numpy()
+
+    def load_own_variables(self, store):
+        """As Keras' (`keras.models.load_model`): each replica takes its chunks of the saved state."""
+        if self.sharding is None or not self.sharding.active:
+            return super().load_own_variables(store)
+        variables = self.variables
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"The saved optimizer has {len(store.keys())} variables; {type(self).__name__} "
+                f"of this model has {len(variables)}. Load a file saved with the same optimizer "
+                "and options (gradient_compression, sync_every).")
+        inner = {id(v) for v in self.inner_optimizer.variables}
+        state = {}
+        for i, variable in enumerate(variables):
+            if id(variable) in inner:
+                state[id(variable)] = store[str(i)]
+            else:
+                variable.assign(store[str(i)])
+        self.sharding.load_unsharded_state(self.inner_optimizer, state)
+
     def _build_local_sync(self, var_list) -> None:
         if self.local_sync is not None:
             self.local_sync.build(self, var_list)
