@@ -406,7 +406,7 @@ def test_a_killed_worker_pod_and_its_peers_are_retried_and_the_job_resumes(tmp_p
     from multiworker import marked_processes
 
     run_dir = tmp_path / "volume" / "run"
-    epochs, steps_per_epoch = 4, 22  # digits: 1437 examples, global batch 64
+    epochs, steps_per_epoch = 2, 22  # digits: 1437 examples, global batch 64
     manifest = _write_manifest(
         tmp_path, ["--pvc", "runs", "--mount_path", str(tmp_path / "volume")],
         ["tfdp-train", "--dataset", "digits", "--model", "mlp", "--epochs", str(epochs),
