@@ -27,6 +27,7 @@ from tfdp.training import checkpointing
 from tfdp.callbacks import BackupAndRestore
 from tfdp.training import lr_schedules
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import replica_state
 from tfdp import optimizers as tfdp_optimizers
 from tfdp.distribute import config_check
 from tfdp.distribute import strategy as strategy_lib
@@ -357,11 +358,19 @@ def _training_steps(optimizer) -> int:
 
 
 def _final_checkpoint(config, model, info) -> checkpointing.ChiefCheckpointManager:
-    """Where `--loop=fit` keeps its final weights and optimizer: `model_dir`."""
+    """Where `--loop=fit` keeps its final weights and optimizer: `model_dir`.
+
+    With every worker's per-replica state beside it (sharded optimizer
+    state, error-feedback memories, local slots), as `--loop=custom` keeps
+    its checkpoints: the chief's checkpoint alone holds replica 0's only.
+    """
     return checkpointing.ChiefCheckpointManager(
         tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                             **checkpointing.random_state(model)), config.model_dir,
         is_chief=info.is_chief,
+        replica_state=replica_state.ReplicaStateFiles(
+            config.model_dir, model.distribute_strategy, lambda: model.optimizer,
+            max_to_keep=3),
     )
 
 

@@ -102,6 +102,9 @@ def test_shard_optimizer_state_reaches_the_trained_optimizer(parse_flags, tmp_pa
     assert slots and kernels
     assert all(len(shape) == 1 for shape in slots)
     assert max(s[0] for s in slots) == max(-(-k[0] * k[1] // 2) for k in kernels)
+    # Both replicas' chunks are kept beside it, as --loop=custom keeps them.
+    assert [p.name for p in (tmp_path / "replica_state" / "ckpt-2").iterdir()] == [
+        "worker-0-of-1.npz"]
 
 
 def test_remat_and_sync_bn_reach_the_model_builder(parse_flags, monkeypatch):
