@@ -8,6 +8,14 @@ pipeline's `tf.distribute.InputContext`; the record of what it delivers is
 final batches instead of padding) are stated in `tfdp.pipelines.distributed_dataset`, which also
 validates the user's arguments; which examples a pipeline reads is decided
 in `tfdp.pipelines.sharding`.
+
+A pipeline can be built entered at a global batch of its epoch (`build(...,
+start_batch=b)`, what `make_dataset(...).start_at_batch(b)` distributes):
+when training on a source that addresses its examples, its order is
+`tfdp.pipelines.seekable_order`'s and nothing before the position is read
+beyond raw records of the current window; otherwise `source.read` is skipped
+before `preprocess`. Per-example random seeds (a `preprocess` with
+`needs_seed`) depend on the position, so they are the same either way.
 """
 
 from __future__ import annotations

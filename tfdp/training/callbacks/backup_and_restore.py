@@ -88,7 +88,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     `tf.data.Dataset` of global batches whose order depends only on its seeds
     and `e` (seed the shuffle with the epoch; never rely on how many times it
     was iterated), with the same number of batches every epoch and in every
-    run. A resumed epoch skips the batches already applied and Keras numbers
+    run. A resumed epoch is entered at the first batch not yet applied
+    (`tfdp.training.input_position`: `pipelines.make_dataset`'s datasets
+    seek there without decoding or preprocessing the batches before; other
+    inputs read them again, at most the epoch so far) and Keras numbers
     its steps from there, so each example is seen exactly once per epoch, the
     progress bar goes from `b+1/steps` to `steps/steps`, and the run ends
     with the same weights and `optimizer.iterations` as one that never
