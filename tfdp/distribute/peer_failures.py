@@ -108,8 +108,8 @@ def peer_failure_message(
             f"{who[0].upper() + who[1:]} was restarted while {here} trained (it reconnected "
             f"as a new process): it had crashed or been killed. This worker must start "
             f"again too; a run with a model_dir resumes from its last checkpoint "
-            f"(`tfdp-launch --max_restarts N`, a TFJob's restartPolicy ExitCode and Slurm's "
-            f"requeue do it for you). (TensorFlow: {failure_text.summary(error)})"
+            f"(`tfdp-launch --max_restarts N` and a TFJob's restartPolicy ExitCode do it for "
+            f"you). (TensorFlow: {failure_text.summary(error)})"
         )
     return None
 
