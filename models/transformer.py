@@ -77,16 +77,21 @@ class PositionEmbedding(keras.layers.Layer):
                 "initializer": keras.initializers.serialize(self.initializer)}
 
 
-def _encoder_block(x, *, num_heads: int, hidden: int, intermediate: int, dropout: float,
-                   norm_first: bool, name: str):
+def _encoder_block(x, key_mask=None, *, num_heads: int, hidden: int, intermediate: int,
+                   dropout: float, norm_first: bool, name: str):
     def norm(suffix):
         return keras.layers.LayerNormalization(epsilon=1e-6, name=f"{name}_{suffix}")
 
-    # Self-attention branch.
+    # Self-attention branch. MultiHeadAttention removes the padding mask from
+    # the tensors it is called on (keras/src/layers/attention/
+    # multi_head_attention.py, `call`): post-LN calls it on the residual
+    # stream itself, whose mask is then gone for every later block. So the
+    # keys' padding is also given explicitly, when known: `key_mask`,
+    # `(batch, 1, sequence_length)`, True for real tokens.
     y = norm("attention_norm")(x) if norm_first else x
     y = keras.layers.MultiHeadAttention(
         num_heads, hidden // num_heads, dropout=dropout, name=f"{name}_attention"
-    )(y, y)
+    )(y, y, attention_mask=key_mask)
     if dropout:
         y = keras.layers.Dropout(dropout, name=f"{name}_attention_dropout")(y)
     x = keras.layers.Add(name=f"{name}_attention_add")([x, y])
@@ -185,12 +190,17 @@ def transformer(
         x = keras.layers.LayerNormalization(epsilon=1e-6, name="embedding_norm")(x)
     if dropout:
         x = keras.layers.Dropout(dropout, name="embedding_dropout")(x)
+    real_tokens = keras.ops.not_equal(inputs, 0)  # (batch, sequence_length)
+    key_mask = keras.ops.expand_dims(real_tokens, 1)
     for i in range(num_layers):
         block = functools.partial(
             _encoder_block, num_heads=num_heads, hidden=hidden, intermediate=intermediate,
             dropout=dropout, norm_first=norm_first, name=f"encoder_{i}")
-        x = remat_lib.remat_block(block, x, name=f"encoder_{i}") if remat else block(x)
+        # A rematerialised block is a sub-model of one input: the mask reaches
+        # its layers with that input (`remat_block`).
+        x = (remat_lib.remat_block(block, x, name=f"encoder_{i}") if remat
+             else block(x, key_mask))
     if norm_first:
         x = keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
-    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x, mask=real_tokens)
     return keras.Model(inputs, common.logits(x, num_classes), name=NAME)

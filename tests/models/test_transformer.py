@@ -10,8 +10,12 @@ TOKENS = np.array([[5, 6, 7, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32")
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
-def test_padding_tokens_do_not_change_the_logits(norm_first):
-    model = models.get("transformer", input_shape=(6,), norm_first=norm_first, **SMALL)
+@pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.parametrize("remat", [False, True])
+def test_padding_tokens_do_not_change_the_logits(norm_first, num_layers, remat):
+    """In every block, not only the first (Keras' MultiHeadAttention drops its input's mask)."""
+    model = models.get("transformer", input_shape=(6,), norm_first=norm_first,
+                       **{**SMALL, "num_layers": num_layers, "remat": remat})
     before = np.asarray(model(TOKENS, training=False))
     embedding = model.get_layer("token_embedding").embeddings
     table = embedding.numpy()
