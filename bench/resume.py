@@ -3,10 +3,10 @@
 A resumed run rebuilds its input and must start the epoch at batch `b`.
 `pipelines.make_dataset`'s datasets seek there (`start_at_batch`,
 `tfdp.pipelines.seekable_order`): nothing before the position is decoded or
-preprocessed. Before, `fit` advanced the distributed iterator `b` times
-(`tfdp._upstream.keras_fit_resume._skip_batches`), and `tfdp.Trainer` did the
-same, through the whole pipeline (read, decode, shuffle, preprocess, batch,
-split and copy to the replicas); this measures that path on the previous
+preprocessed. Before, `fit` and `tfdp.Trainer` advanced the distributed
+iterator `b` times (`advance` here does the same) through the whole pipeline
+(read, decode, shuffle, preprocess, batch, split and copy to the
+replicas); this measures that path on the previous
 pipeline (read -> shuffle buffer -> preprocess, which `make_dataset` still
 builds for sources it cannot address), against the seek.
 
@@ -35,7 +35,6 @@ from absl import flags
 
 import tfdp
 from tfdp import pipelines
-from tfdp._upstream import keras_fit_resume
 from tfdp.bench import machine
 from tfdp.pipelines import input_pipeline
 
@@ -100,6 +99,13 @@ def sources(num_examples: int, data_dir: str) -> dict:
     }
 
 
+@tf.function
+def advance(iterator, count):
+    """What `fit` and `Trainer` did before the seek: consume `count` distributed batches."""
+    for _ in tf.range(count):
+        next(iterator)
+
+
 def time_to_position(build, batch: int, *, seek: bool) -> float:
     """Seconds from building the dataset to its batch `batch` in hand."""
     start = time.perf_counter()
@@ -108,7 +114,7 @@ def time_to_position(build, batch: int, *, seek: bool) -> float:
         iterator = iter(dataset.start_at_batch(batch))
     else:
         iterator = iter(dataset)
-        keras_fit_resume._skip_batches(iterator, tf.constant(batch))  # pylint: disable=protected-access
+        advance(iterator, tf.constant(batch))
     next(iterator)
     return time.perf_counter() - start
 

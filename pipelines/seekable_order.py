@@ -65,11 +65,13 @@ class Residue:
 _plain = tf.autograph.experimental.do_not_convert  # graph functions without Python control flow
 
 
-def _keys(seed: int | None, count: int) -> tf.data.Dataset:
-    """One element per iteration: `count` int64 keys, new on every iteration."""
+def _keys(seed: int | None, count: int, stream: int) -> tf.data.Dataset:
+    """One element per iteration: `count` int64 keys, new on every iteration.
+
+    `stream` tells apart key sets drawn from the same seed."""
     return tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).take(1).map(
         _plain(lambda r: tf.random.stateless_uniform(
-            [count], tf.stack([r, tf.constant(0, tf.int64)]), minval=None, maxval=None,
+            [count], tf.stack([r, tf.constant(stream, tf.int64)]), minval=None, maxval=None,
             dtype=tf.int64)))
 
 
@@ -166,22 +168,23 @@ class SeekableOrder:
         return order, starts, sizes
 
     def dataset(self, start: int, stop: int) -> tf.data.Dataset:
-        """Stream positions `[start, stop)` of one epoch: `((features, label), position)`.
+        """Stream positions `[start, stop)` of one epoch: `((features, label), seed)`.
 
         Args:
             start: the first position to produce (0 for a whole epoch).
             stop: one past the last position (the examples the epoch uses).
 
         Returns:
-            An unbatched dataset; `position` is the example's int64 position
-            in this pipeline's epoch, for per-example random seeds.
+            An unbatched dataset; `seed` (int64 `[2]`) is the example's
+            preprocessing seed: a key of the iteration and the example's
+            position in this pipeline's epoch.
         """
         residue = self._residue
         shared_unit_key = residue is not None
         unit_seed = self._unit_seed if shared_unit_key else self._example_seed
         no_unit_key = shared_unit_key and self._unit_seed is None
-        unit_keys = _keys(0 if no_unit_key else unit_seed, 2)
-        example_keys = _keys(self._example_seed, 3)
+        unit_keys = _keys(0 if no_unit_key else unit_seed, 2, stream=1)
+        example_keys = _keys(self._example_seed, 3, stream=2)
         keys = tf.data.Dataset.zip(unit_keys, example_keys)
 
         @_plain
@@ -201,7 +204,8 @@ class SeekableOrder:
             ).prefetch(1).flat_map(_plain(self._window_examples))
 
         stream = keys.flat_map(iteration)
-        return stream.map(_plain(self._decode), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return stream.map(_plain(self._decode), num_parallel_calls=tf.data.AUTOTUNE,
+                          deterministic=True)
 
     def _window(self, w, units, window_start, owned, owned_start, start, stop, example_key):
         """What one window needs: its raw records (files), and which of them to visit."""

@@ -107,7 +107,8 @@ def _trainer(strategy, model_dir, **kwargs):
     return Trainer(
         model, optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        strategy=strategy, batch=BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync),
+        strategy=strategy,
+        batch=BatchConfig.from_global(GLOBAL_BATCH, strategy.num_replicas_in_sync),
         model_dir=model_dir, **kwargs)
 
 
