@@ -38,7 +38,8 @@ def check(model: str, data: data_description.DataDescription | None, *,
     """Checks that registered `model` can train on `data`; returns what to adapt.
 
     Args:
-        model: a registered model name (`models.names()`).
+        model: a model name; one not registered (`models.names()`) or
+            registered without declared inputs passes.
         data: the dataset's description; `None` (not known yet) passes.
         image_size: `--image_size`: resize images to this square size.
         sequence_length: `--sequence_length`: pad or truncate token
@@ -57,7 +58,8 @@ def check(model: str, data: data_description.DataDescription | None, *,
     """
     from tfdp import models
 
-    requirements = models.input_requirements(model)
+    # A model built by the caller's own build_model (not registered) declares nothing.
+    requirements = models.input_requirements(model) if model in models.names() else None
     if data is None or requirements is None:
         return InputPlan()
     kind = data.kind

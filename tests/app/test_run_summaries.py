@@ -85,7 +85,9 @@ def test_tfdp_train_writes_event_files_curves_and_says_where(tmp_path, loop):
     summary = json.loads((model_dir / "summary.json").read_text())
     assert summary["tensorboard"] == {"train": str(model_dir / "train"),
                                       "eval": str(model_dir / "eval")}
-    assert summary["model"] == {"name": "cnn", "input_shape": [8, 8, 1], "num_classes": 10}
+    assert summary["model"] == {"name": "cnn", "input_shape": [8, 8, 1], "num_classes": 10,
+                                "arguments": {}}
+    assert summary["eval_split"] == "test"
     train = run_summaries.read_scalars(summary["tensorboard"]["train"])
     assert {"loss", "accuracy", "learning_rate", "examples_per_second", "batch/global"} <= set(train)
     assert train["loss"][-1][0] == summary["steps"] == 44
