@@ -8,6 +8,7 @@ it received.
 import io
 import os
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -194,6 +195,20 @@ def test_without_gpus_nothing_is_set_and_nothing_is_logged(tmp_path):
     assert code == 0, err
     assert out[0] == out[1] == ["CUDA_VISIBLE_DEVICES=<unset>", "CUDA_DEVICE_ORDER=<unset>"]
     assert "GPU" not in err
+
+
+def test_the_launcher_finds_gpus_without_importing_tensorflow(tmp_path):
+    # TensorFlow in the launcher would initialise every GPU (and take its memory).
+    bin_dir = _fake_nvidia_smi(tmp_path / "bin", count=2)
+    program = ("import sys\n"
+               "from tfdp.launch import __main__, local\n"
+               "plan = local.plan_local([sys.executable], nproc_per_node=2)\n"
+               "print(*[w.env['CUDA_VISIBLE_DEVICES'] for w in plan.workers],\n"
+               "      'tensorflow' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", program], env=_environ(bin_dir),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "0 1 False\n"
 
 
 def test_a_restart_keeps_each_workers_gpus(tmp_path):
