@@ -33,10 +33,7 @@ def test_ci_runs_the_readme_commands():
 _SHELL_OPERATORS = ("&&", "||", "|", ";", ">", ">>", "2>&1", "&")
 #: README commands that the lead has yet to fix (see issue 14): strict, so the
 #: fix shows up as an unexpected pass to remove from here.
-_KNOWN_BROKEN = {
-    # The Slurm example: resnet50 on the default 8x8 digits needs --image_size 32.
-    ("--model", "resnet50"): "README's Slurm example lacks --image_size 32 (issue 14)",
-}
+_KNOWN_BROKEN: dict = {}
 
 
 def _code_blocks():
