@@ -379,17 +379,22 @@ class _Operator:
         return True
 
     def stop(self):
-        """SIGKILLs and reaps every container left, and any process carrying the marker."""
+        """SIGKILLs and reaps every container left; returns the other marked processes.
+
+        Those (none, unless a container left its program behind) are SIGKILLed too.
+        """
         from multiworker import marked_processes
 
         for process in self.running.values():
             process.kill()
             process.wait()
-        for pid in marked_processes(self.token):
+        leftovers = marked_processes(self.token)
+        for pid in leftovers:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        return leftovers
 
     def output(self):
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
@@ -403,8 +408,6 @@ def test_a_killed_worker_pod_and_its_peers_are_retried_and_the_job_resumes(tmp_p
     # which its container reports as 138. Both are retryable under the
     # manifest's policy, so every worker is re-created and the job resumes
     # from the volume instead of failing.
-    from multiworker import marked_processes
-
     run_dir = tmp_path / "volume" / "run"
     epochs, steps_per_epoch = 2, 22  # digits: 1437 examples, global batch 64
     manifest = _write_manifest(
@@ -425,11 +428,11 @@ def test_a_killed_worker_pod_and_its_peers_are_retried_and_the_job_resumes(tmp_p
         operator.start(1)
         succeeded = operator.run(until=kill_worker_1_after_its_first_backup, timeout=420)
     finally:
-        operator.stop()
+        leftovers = operator.stop()
     described = f"exits (worker, incarnation, code, s): {operator.exits}\n{operator.output()}"
     assert killed, described
     assert succeeded, described
-    assert not marked_processes(operator.token)
+    assert not leftovers, f"processes left behind: {leftovers}\n{described}"
     first = {(index, incarnation): code for index, incarnation, code, _ in operator.exits}
     assert first[(1, 0)] == 137, described
     assert first[(0, 0)] == tfjob_worker.OPERATOR_USER_RETRYABLE, described
