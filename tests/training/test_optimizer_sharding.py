@@ -290,3 +290,18 @@ def test_keras_file_holds_the_unsharded_state_and_loads_on_any_replica_count(
     assert loaded.optimizer.shards_optimizer_state
     assert loaded.optimizer.sharding.num_shards == load_on
     assert_same_state(strategy, loaded, plain)
+
+
+def test_another_optimizers_state_on_another_replica_count_is_refused_unchanged(
+        strategies, tmp_path):
+    model_dir = str(tmp_path / "run")
+    train(strategies[2], True, model_dir=model_dir, steps=3, optimizer="adam")
+    with strategies[4].scope():
+        model = mlp()
+        optimizer = OPTIMIZERS["sgd_momentum"]()
+    trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategies[4],
+                           batch=BatchConfig.from_global(GLOBAL_BATCH, 4), model_dir=model_dir,
+                           checkpoint_every=3, shard_optimizer_state=True)
+    with pytest.raises(ValueError, match="has 10 variables.*SGD has 6.*Nothing was changed"):
+        trainer.train(dataset(), steps=STEPS)
+    np.testing.assert_array_equal(model.get_weights()[0], INITIAL[0])

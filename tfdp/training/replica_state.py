@@ -230,7 +230,9 @@ class ReplicaStateFiles:
                 "with the number of workers that wrote it. Nothing was changed.")
         files = layouts[complete[0]]
         old = [_read(files[worker]) for worker in range(complete[0])]
-        return Repartition(self._strategy, optimizer, old)
+        repartition = Repartition(self._strategy, optimizer, old)
+        repartition.prepare()  # refuses other optimizers' state before anything is restored
+        return repartition
 
     def _other_layout(self, step: int, path: str, saved_replicas) -> ValueError:
         written = (f"{saved_replicas} replica(s) per worker"
@@ -340,16 +342,10 @@ class Repartition:
         self._optimizer = optimizer
         self._old_files = old_files
         self._whole = None  # the stand-in's values, when it holds the whole slots
+        self._values = None  # per inner variable, this worker's replicas' new values
         info = strategy_info_lib.strategy_info(strategy)
         self._worker = info.worker_index
         self._local_replicas = strategy.num_replicas_in_sync // max(info.num_workers, 1)
-
-    @property
-    def old_replicas(self) -> int:
-        """The number of replicas that wrote the state."""
-        if self._old_files is None:
-            return 1
-        return sum(int(data["local_replicas"]) for data in self._old_files)
 
     @contextlib.contextmanager
     def standing_in(self):
@@ -385,19 +381,20 @@ class Repartition:
             values += [data[f"v{index}_r{r}"] for r in range(int(data["local_replicas"]))]
         return values
 
-    def apply(self) -> None:
-        """Loads the re-partitioned state into this worker's replicas (after `standing_in`).
+    def prepare(self) -> None:
+        """Cuts the old state for this worker's replicas, without assigning anything.
 
         Raises:
-            ValueError: the old state is of another optimizer (other
-                variables); nothing is changed.
+            ValueError: the old state is of another optimizer or model (other
+                variables or sizes).
         """
         inner = self._optimizer.inner_optimizer
         sharding = self._optimizer.sharding
         weights = sharding.variables
         variables = list(inner.variables)
         if self._old_files is None and self._whole is None:
-            raise RuntimeError("Repartition.apply() needs standing_in() around the restore first.")
+            raise RuntimeError("Repartition: the whole slots come from the checkpoint; "
+                               "restore it within standing_in() first.")
         old_count = (len(self._whole) if self._old_files is None
                      else len(self._old_files[0]["names"]))
         if old_count != len(variables):
@@ -428,7 +425,13 @@ class Repartition:
                         f"{tuple(variable.shape)}. Resume with the optimizer and model that "
                         "wrote it. Nothing was changed.")
             values.append(per_replica)
-        for variable, per_replica in zip(variables, values):
+        self._values = values
+
+    def apply(self) -> None:
+        """Loads the re-partitioned state into this worker's replicas (after `standing_in`)."""
+        if self._values is None:
+            self.prepare()
+        for variable, per_replica in zip(self._optimizer.inner_optimizer.variables, self._values):
             copies = self._strategy.experimental_local_results(_distributed(variable))
             for copy, value in zip(copies, per_replica):
                 copy.assign(value)
