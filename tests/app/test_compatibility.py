@@ -8,7 +8,6 @@ start no TensorFlow runtime is tested in a fresh process by tests/test_readme.py
 """
 
 import pytest
-from absl import flags
 
 from tfdp import models
 from tfdp import pipelines
@@ -25,16 +24,6 @@ FITS = {
     "synthetic_tokens": {"transformer"},
 }
 PAIRS = [(model, dataset) for dataset in pipelines.known_sources() for model in models.names()]
-
-
-@pytest.fixture
-def parse_flags():
-    def parse(*argv):
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["tfdp-train", *argv])
-
-    yield parse
-    flags.FLAGS.unparse_flags()
 
 
 def _describe(dataset, **flags_):

@@ -4,19 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags
 
 from tfdp.app import train as train_cli
-
-
-@pytest.fixture
-def parse_flags():
-    def parse(*argv):
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["tfdp-train", *argv])
-
-    yield parse
-    flags.FLAGS.unparse_flags()
 
 
 @pytest.mark.parametrize(
