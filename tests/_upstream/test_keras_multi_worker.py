@@ -242,6 +242,47 @@ def test_mirrored_steps_per_execution_matches_one_device(patch_state):
         np.testing.assert_allclose(history["loss"], reference_history["loss"], atol=ATOL)
 
 
+class _CountingEpochIterator:
+    """Stands in for Keras' epoch iterator: yields one batch, counts the batches pulled."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.pulled = 0
+
+    def __iter__(self):
+        def batches():
+            self.pulled += 1
+            yield self.batch
+
+        yield 0, 0, batches()
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_symbolic_build_pulls_a_batch_only_when_something_is_unbuilt(
+    patch_state, monkeypatch, built
+):
+    # Every evaluate() (each epoch's validation) calls _maybe_symbolic_build;
+    # once everything is built a pulled batch is a distributed iterator made
+    # and dropped for nothing. MWMS cannot be made in-process next to the
+    # other tests: the patch is told this MirroredStrategy is one.
+    keras_multi_worker.apply(["symbolic_build_batch"])
+    monkeypatch.setattr(keras_multi_worker, "_is_multi_worker", lambda strategy: True)
+    strategy = tfdp.make_strategy("mirrored", cpu_replicas=2)
+    x = np.ones((4, 3), np.float32)
+    y = np.zeros((4, 1), np.float32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    if built:
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    epoch_iterator = _CountingEpochIterator((tf.constant(x), tf.constant(y)))
+
+    model._maybe_symbolic_build(iterator=epoch_iterator)
+
+    assert epoch_iterator.pulled == (0 if built else 1)
+    assert model._compile_metrics.built and model.optimizer.built
+
+
 # ------------------------------------------------------------ two workers
 
 
