@@ -274,6 +274,10 @@ def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
         f"{name}_consistent_loss_scale": isinstance(model.optimizer,
                                                     loss_scale.LossScaleOptimizer),
     }
+    sharding = getattr(model.optimizer, "sharding", None)
+    if sharding is not None:
+        # ZeRO-1: the gradients go by all-to-all (reduce-scatter), not all-reduce.
+        results[f"{name}_scatters"] = bool(sharding.scatters)
     for i, w in enumerate(model.get_weights()):
         results[f"{name}_weight{i}"] = np.asarray(w, "float32")
     return results

@@ -12,20 +12,30 @@ each of the N replicas keeps them for 1/N of the parameters only:
   within one element per variable of the even 1/N, every slot of the
   unsharded optimizer has exactly one sharded counterpart, and the chunks of
   a variable keep its name (weight-decay exclusions by name still apply).
-- **a step**: the gradients are all-reduced as without sharding (same
-  collective, same compression); each replica copies its chunk of every
+- **a step**: each replica's gradients are reduce-scattered: laid out as
+  ``[N, S]`` per variable, sent row j to replica j by one all-to-all per
+  bucket of variables, and summed over the rows received, so each replica
+  gets only its chunk of the summed gradients
+  (`reduce_scatter_gradients`); each replica copies its chunk of every
   weight into a *shard variable* of shape ``[S]``, lets the wrapped Keras
   optimizer update the shard variables with its own update rule and its
-  sharded slots, and the replicas then all-gather the updated chunks (one
-  collective per dtype, float32, exact) so that every replica holds the full
-  weights again.
-- **what it costs**: TensorFlow has no reduce-scatter on CPU (only NCCL has
-  one), so each replica receives the whole summed gradient, uses 1/N of it,
-  and then receives the other replicas' updated chunks: per step the bytes on
-  the wire are those of the all-reduce plus an all-gather of the weights,
-  ``(N - 1) / N * 4 * P`` bytes per replica for P float32 parameters, about
-  1.5x the all-reduce alone. Memory per replica: the slots of P/N parameters
-  plus the P/N shard variables, instead of the slots of P.
+  sharded slots, and the replicas then all-gather the updated chunks (float32,
+  exact) so that every replica holds the full weights again.
+- **what it costs**: per step each replica sends and receives
+  ``(N - 1) / N * 4 * P`` bytes for the reduce-scatter and as many for the
+  all-gather of P float32 parameters: the bytes of the ring all-reduce that
+  unsharded training makes (a ring all-reduce is a reduce-scatter followed by
+  an all-gather). TensorFlow's own reduce-scatter
+  (`CollectiveReduceScatterV2`) has no CPU implementation, so the exchange is
+  its all-to-all, through the strategy's collective launchers
+  (`tfdp._upstream.collective_all_to_all`). One more all-reduce of one float
+  per step gives every replica the same non-finite verdict on the chunks.
+  Where the gradients are compressed (`gradient_compression`,
+  `all_reduce_dtype`), or the strategy has no collective launchers, the
+  gradients are all-reduced as without sharding and each replica takes its
+  slice: then the all-gather adds half again to the all-reduce's bytes.
+  Memory per replica: the slots of P/N parameters plus the P/N shard
+  variables, instead of the slots of P.
 
 An optimizer qualifies when its update of one element depends only on that
 element (SGD, momentum, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad,
@@ -59,6 +69,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp._upstream import collective_all_to_all
 from tfdp.distribute import reduction
 from tfdp.distribute import strategy_info as strategy_info_lib
 
@@ -210,6 +221,7 @@ class OptimizerSharding:
         #: `[variables, 2]` float32, with `norm_terms` summed over replicas
         #: (for optimizers that take them; else None).
         self.terms = None
+        self._scatters = None
 
     def __repr__(self) -> str:
         return f"OptimizerSharding(num_shards={self.num_shards})"
@@ -365,6 +377,62 @@ class OptimizerSharding:
             chunks.append(self._chunk(context, gradient, variable))
             shards.append(self.shards[self._index[id(variable)]])
         return chunks, shards
+
+    @property
+    def scatters(self) -> bool:
+        """Whether the gradients reach the replicas' chunks by reduce-scatter (else all-reduce and slice).
+
+        True under a strategy with collective launchers for every replica
+        (MultiWorkerMirroredStrategy, MirroredStrategy's collective ops):
+        `reduce_scatter_gradients` then exchanges the chunks with an
+        all-to-all (`tfdp._upstream.collective_all_to_all`).
+        """
+        if self._scatters is None:
+            self._scatters = bool(self.active and collective_all_to_all.available(self._strategy))
+        return self._scatters
+
+    def reduce_scatter_gradients(self, context, gradients, variables):
+        """`(this replica's chunks of the gradients summed over the replicas, their shard variables)`.
+
+        The reduce-scatter of ZeRO: per bucket of variables (`_buckets`),
+        each replica lays its gradients out as ``[N, sum S]`` (row j: its
+        chunks for replica j, zero-padded as the layout pads), one all-to-all
+        sends row j to replica j, and each replica sums the N rows it
+        receives. Every replica sends and receives (N - 1) / N of its
+        gradients' bytes, the bytes of the reduce-scatter half of a ring
+        all-reduce; the whole summed gradient never exists on any replica.
+
+        Args:
+            context: the replica context.
+            gradients: this replica's (unreduced) gradients, one per variable
+                of `variables`.
+            variables: trainable variables with a shard (any subset, any order).
+
+        Returns:
+            Lists in the order of `variables`.
+        """
+        given = {id(v): k for k, v in enumerate(variables)}
+        chunks = [None] * len(variables)
+        for bucket in self._buckets():
+            members = [(i, given[id(self._variables[i])]) for i in bucket
+                       if id(self._variables[i]) in given]
+            if not members:
+                continue
+            rows = []
+            for i, k in members:
+                gradient = gradients[k]
+                if isinstance(gradient, tf.IndexedSlices):
+                    gradient = tf.convert_to_tensor(gradient)
+                size = int(self.shards[i].shape[0])
+                flat = tf.reshape(gradient, [-1])
+                padded = tf.pad(flat, [[0, self.num_shards * size - _num_elements(self._variables[i])]])
+                rows.append(tf.reshape(padded, [self.num_shards, size]))
+            received = collective_all_to_all.all_to_all(context, tf.concat(rows, axis=1))
+            summed = tf.reduce_sum(received, axis=0)
+            sizes = [int(self.shards[i].shape[0]) for i, _ in members]
+            for (_, k), chunk in zip(members, tf.split(summed, sizes)):
+                chunks[k] = chunk
+        return chunks, [self.shards[self._index[id(v)]] for v in variables]
 
     def sum_norm_terms(self, context, optimizer, gradients, shards) -> None:
         """Sums the inner optimizer's `norm_terms` of every chunk over the replicas (one all-reduce).

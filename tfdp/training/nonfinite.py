@@ -320,7 +320,16 @@ class _SkipNonFinite:
             divisor = tf.reshape(tf.cast(divisor, tf.float32), [1])
             grads = [_divide(g, 1.0 / tf.cast(scale, tf.float32)) for g in grads]
         new_state = None
-        if reduced and self.compressor is not None:
+        sharded = self.sharding is not None and self.sharding.active
+        # ZeRO-1 with plain gradients: each replica receives only its chunks
+        # (reduce-scatter), never the whole sum.
+        scattered = (sharded and reduced and self.compressor is None
+                     and self.all_reduce_dtype is None and self.sharding.scatters)
+        if scattered:
+            grads, variables = self.sharding.reduce_scatter_gradients(context, grads, variables)
+            if divisor is not None:
+                (divisor,) = reduction.all_reduce_sum(context, [divisor])
+        elif reduced and self.compressor is not None:
             if divisor is not None:
                 raise ValueError("dividing_by_global cannot be used with a gradient compressor.")
             grads, new_state = self._compressed_sum(context, grads, variables)
@@ -332,19 +341,27 @@ class _SkipNonFinite:
             grads = reduction.all_reduce_sum(context, grads, self.all_reduce_dtype)
         if divisor is not None:
             grads = [_divide(g, tf.math.maximum(divisor[0], 1e-30)) for g in grads]
-        # The same value on every replica and worker: computed from the same sums.
-        proceed = tf.logical_and(_all_finite(grads), tf.logical_not(self._exhausted()))
+        if scattered:
+            # Each replica holds its chunks only: one all-reduce of the
+            # non-finite chunk counts gives every replica the same verdict.
+            (nonfinite,) = reduction.all_reduce_sum(
+                context, [tf.reshape(1.0 - tf.cast(_all_finite(grads), tf.float32), [1])])
+            finite = nonfinite[0] == 0.0
+        else:
+            # The same value on every replica and worker: computed from the same sums.
+            finite = _all_finite(grads)
+        proceed = tf.logical_and(finite, tf.logical_not(self._exhausted()))
         if new_state is not None:
             # A skipped step leaves the error memories as they were.
             self.compressor.commit(new_state, proceed)
 
         # A compressor's sums are of gradients it unscaled first (_compressed_sum).
         unscaled = reduced and self.compressor is not None
-        sharded = self.sharding is not None and self.sharding.active
         if sharded:
             # Outside the branch, so a skipped step gathers the weights unchanged.
             self.sharding.load_weights(context)
-            grads, variables = self.sharding.shard_gradients(context, grads, variables)
+            if not scattered:
+                grads, variables = self.sharding.shard_gradients(context, grads, variables)
             if self.sharding.terms is not None:
                 # LARS, LAMB: their whole-variable norms, summed over the
                 # chunks, before the branch (a collective; the same on every

@@ -1,0 +1,121 @@
+"""An all-to-all among a strategy's replicas, through its own collective launchers.
+
+`tf.distribute` offers all-reduce and all-gather in a replica context, but
+no reduce-scatter and no all-to-all. ZeRO-1
+(`tfdp.distribute.optimizer_sharding`) needs the reduce-scatter: each
+replica wants only its own chunk of the summed gradients. TensorFlow's
+`CollectiveReduceScatterV2` has no CPU implementation ("CollectiveRegistry::
+Lookup did not find collective implementation", TF 2.21), but its
+`CollectiveAllToAllV2` has one: replica r sends row j of a `[N, ...]` tensor
+to replica j, and summing what it receives over the rows is the
+reduce-scatter, with the bytes of a ring reduce-scatter ((N - 1) / N of the
+tensor per replica).
+
+To be ordered with the strategy's other collectives (and to get instance
+keys every worker agrees on), the all-to-all goes through the strategy's
+`CollectiveAllReduce` launcher of the replica's device: its group, its next
+instance key and its ordering token. Those are private members of
+`tensorflow/python/distribute/cross_device_utils.py`
+(`CollectiveReplicaLauncher`) and `cross_device_ops.py`
+(`CollectiveAllReduce._launchers`); this module is the only place that
+reads them. `launcher_of` answers None (and callers fall back to all-reduce
+and slice) when the strategy has no collective launchers (a single device,
+`NcclAllReduce`, `ReductionToOneDevice`) or TensorFlow is outside
+`KNOWN_TF_RANGE`. `tests/_upstream/test_collective_all_to_all.py` is the
+canary.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.distribute import device_util
+from tensorflow.python.ops import collective_ops
+
+from tfdp._upstream import _versions
+
+# pylint: disable=protected-access
+
+#: TensorFlow (major, minor) versions these members were read from, inclusive.
+KNOWN_TF_RANGE = ((2, 16), (2, 21))
+
+_LAUNCHER_MEMBERS = ("_device", "_group_key", "_group_size", "_options",
+                     "_next_instance_key", "_get_ordering_token")
+
+
+def is_supported(tf_version: str | None = None) -> bool:
+    """Whether `tf_version` (default: the installed one) is in `KNOWN_TF_RANGE`."""
+    version = _versions.major_minor(tf.__version__ if tf_version is None else tf_version)
+    low, high = KNOWN_TF_RANGE
+    return low <= version <= high
+
+
+def _collective_ops(strategy: tf.distribute.Strategy):
+    extended = strategy.extended
+    for name in ("_collective_ops", "_cross_device_ops"):  # Mirrored, MultiWorkerMirrored
+        ops = getattr(extended, name, None)
+        if type(ops).__name__ == "CollectiveAllReduce" and hasattr(ops, "_launchers"):
+            return ops
+    return None
+
+
+def launcher_of(strategy: tf.distribute.Strategy, device: str):
+    """The collective launcher of the replica on `device`, or None when there is none to use."""
+    if not is_supported() or strategy.num_replicas_in_sync < 2:
+        return None
+    ops = _collective_ops(strategy)
+    if ops is None:
+        return None
+    wanted = device_util.canonicalize(device)
+    for launcher in ops._launchers:
+        if not all(hasattr(launcher, m) for m in _LAUNCHER_MEMBERS):
+            return None
+        if device_util.canonicalize(launcher._device) == wanted:
+            return launcher
+    return None
+
+
+def available(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `all_to_all` can run under `strategy` (collective launchers for every replica)."""
+    ops = _collective_ops(strategy) if is_supported() else None
+    if ops is None or strategy.num_replicas_in_sync < 2:
+        return False
+    return all(launcher_of(strategy, launcher._device) is not None
+               for launcher in ops._launchers)
+
+
+def all_to_all(context: tf.distribute.ReplicaContext, tensor: tf.Tensor) -> tf.Tensor:
+    """Exchanges the rows of `tensor` among the replicas (replica context).
+
+    Args:
+        context: the current replica context.
+        tensor: `[N, ...]` for N replicas in sync, the same shape and dtype on
+            every replica; row j goes to the replica with
+            `replica_id_in_sync_group` j.
+
+    Returns:
+        `[N, ...]`: row i is what replica i sent to this replica.
+
+    Raises:
+        RuntimeError: the strategy has no collective launcher for this
+            replica's device (check `available` first).
+    """
+    # The replica's device (ReplicaContext.devices nests it in a list under
+    # MirroredStrategy; the current device is the replica's in its thread).
+    device = device_util.current()
+    launcher = launcher_of(context.strategy, device)
+    if launcher is None:
+        raise RuntimeError(
+            f"No collective launcher for {device} under "
+            f"{type(context.strategy).__name__}: all_to_all needs collective ops "
+            f"(TensorFlow {KNOWN_TF_RANGE[0][0]}.{KNOWN_TF_RANGE[0][1]} to "
+            f"{KNOWN_TF_RANGE[1][0]}.{KNOWN_TF_RANGE[1][1]}; this is {tf.__version__}). "
+            "Check tfdp._upstream.collective_all_to_all.available() first.")
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            tensor,
+            launcher._group_size,
+            launcher._group_key,
+            launcher._next_instance_key(),
+            timeout=launcher._options.timeout_seconds,
+            ordering_token=launcher._get_ordering_token(),
+        )
