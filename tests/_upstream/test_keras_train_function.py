@@ -5,6 +5,7 @@ one that reduces the logs once per execution; weights, logs and the end of
 the data must be exactly what Keras' own function gives.
 """
 
+import inspect
 import warnings
 
 import keras
@@ -69,6 +70,29 @@ def test_matches_keras_own_train_function(replicas, accum_steps):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
     else:
         assert [b for b, _ in batches] == [b for b, _ in keras_batches]
+
+
+def test_steps_are_not_converted_by_autograph_as_in_keras_own_function(monkeypatch):
+    # AutoGraph re-parses the whole call tree of tfdp's step on the first
+    # trace (seconds); Keras marks its own train function do_not_convert.
+    # A converted function runs from AutoGraph's generated copy: a function
+    # tfdp's step calls records the file its code runs from.
+    from tfdp.training import fit_compile
+
+    files = []
+    tracker = fit_compile._fit_track  # pylint: disable=protected-access
+
+    def recording_fit_track(model, normalizer):
+        files.append(inspect.currentframe().f_code.co_filename)
+        return tracker(model, normalizer)
+
+    monkeypatch.setattr(fit_compile, "_fit_track", recording_fit_track)
+    model = _model()
+    tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
+    model.fit(_dataset().map(lambda x, y: (x, tf.one_hot(y, 3))), epochs=1, verbose=0)
+    assert "make_train_function" in vars(model)
+    assert files  # traced
+    assert set(files) == {__file__}, files
 
 
 def test_train_on_batch_still_works():
