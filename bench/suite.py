@@ -10,8 +10,9 @@ case modules' job, writing files `tfdp.bench.report`'s.
 Order: the CNN throughput launches (1 and 2 workers, alternating when
 `rounds > 1`) feed the scaling, overhead and communication cases; PyTorch
 DDP runs right after them on the same network, without and then with its
-communication hooks; then the all-reduce, accumulation, input-pipeline,
-batch-inference and memory cases.
+communication hooks; then time to accuracy on digits (tfdp's gradient
+exchanges and DDP's hooks, each `repeats` times in rounds); then the
+all-reduce, accumulation, input-pipeline, batch-inference and memory cases.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from tfdp.bench import procs
 from tfdp.bench import scaling
 from tfdp.bench import targets
 from tfdp.bench import throughput
+from tfdp.bench import time_to_accuracy
 
-CASES = ("scaling", "overhead", "peer_torch", "communication", "accumulation", "allreduce",
-         "input_pipeline", "predict", "memory")
+CASES = ("scaling", "overhead", "peer_torch", "communication", "time_to_accuracy",
+         "accumulation", "allreduce", "input_pipeline", "predict", "memory")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,13 @@ class SuiteConfig:
         timeout_scale: multiplies every subprocess deadline.
         link: run every multi-worker case over a loopback shaped to this
             rate (`"100mbit"`, `"1gbit"`; `tfdp.bench.link`); None: unshaped.
+        tta_methods: tfdp methods of the time-to-accuracy case
+            (`tfdp.bench.time_to_accuracy.TFDP_METHODS`), each run `repeats`
+            times.
+        tta_hooks: DDP hooks of the time-to-accuracy case
+            (`tfdp.bench.time_to_accuracy.DDP_HOOKS`).
+        tta_max_epochs: epochs after which a time-to-accuracy run stops
+            short of the target.
     """
 
     quick: bool = False
@@ -106,6 +115,9 @@ class SuiteConfig:
     memory_remat_model: tuple[tuple[str, int | float], ...] = tuple(memory.REMAT_MODEL.items())
     timeout_scale: float = 1.0
     link: str | None = None
+    tta_methods: tuple[str, ...] = time_to_accuracy.TFDP_METHODS
+    tta_hooks: tuple[str, ...] = time_to_accuracy.DDP_HOOKS
+    tta_max_epochs: int = 30
 
     def __post_init__(self):
         if self.link is not None:
@@ -122,7 +134,16 @@ class SuiteConfig:
             raise ValueError(
                 f"`accum_steps` must include 1, the baseline. Received: {self.accum_steps!r}"
             )
-        for name in ("memory_width", "memory_steps", "memory_rounds"):
+        unknown = [m for m in self.tta_methods if m not in time_to_accuracy.TFDP_METHODS]
+        unknown += [h for h in self.tta_hooks if h not in time_to_accuracy.DDP_HOOKS]
+        if unknown or not self.tta_methods:
+            raise ValueError(
+                f"`tta_methods` must be a non-empty tuple of "
+                f"{', '.join(time_to_accuracy.TFDP_METHODS)} and `tta_hooks` a tuple of "
+                f"{', '.join(time_to_accuracy.DDP_HOOKS)}. Received: "
+                f"tta_methods={self.tta_methods!r}, tta_hooks={self.tta_hooks!r}"
+            )
+        for name in ("memory_width", "memory_steps", "memory_rounds", "tta_max_epochs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
@@ -133,7 +154,11 @@ class SuiteConfig:
 
     @classmethod
     def quick_config(cls, **overrides) -> "SuiteConfig":
-        """The smoke-test sizes: every case, a few steps each (~8 min on 2 AMD EPYC cores)."""
+        """The smoke-test sizes: every case, a few steps each (~9 min on 2 AMD EPYC cores).
+
+        Time to accuracy: one tfdp method and one DDP hook, 2 epochs each
+        (enough to run every part of the case, not to reach the target).
+        """
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
             paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd",
@@ -146,6 +171,7 @@ class SuiteConfig:
             memory_width=512, memory_steps=2, memory_rounds=1,
             memory_remat_model=tuple({**memory.REMAT_MODEL, "sequence_length": 64,
                                       "num_layers": 2, "hidden": 64}.items()),
+            tta_methods=("diloco",), tta_hooks=("powersgd",), tta_max_epochs=2,
         )
         values.update(overrides)
         return cls(**values)
@@ -238,6 +264,11 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
                                      if mlp["status"] == "ok" else mlp)
     if hooks.get("status") == "error":
         cases["communication"]["ddp_hooks_error"] = hooks.get("error")
+    cases["time_to_accuracy"] = _guarded("time_to_accuracy", lambda: time_to_accuracy.run(
+        tfdp_methods=config.tta_methods, ddp_hooks=config.tta_hooks, repeats=config.repeats,
+        max_epochs=config.tta_max_epochs, threads=config.threads,
+        timeout=config.timeout(900),
+    ), log)
     cases["allreduce"] = _guarded("allreduce", lambda: allreduce.run(
         nproc=2, sizes=config.all_reduce_sizes, iterations=config.all_reduce_iterations,
         link_gbytes_per_second=config.link_gbytes_per_second, threads=config.threads,

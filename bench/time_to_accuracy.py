@@ -3,21 +3,38 @@
 This module owns the time-to-accuracy comparison of the communication issue:
 the registered `cnn` (`tfdp.models`) on the offline digits split
 (`tfdp.pipelines.digits`: 1,437 training and 360 test images, 8x8), global
-batch 64 (32 per worker), SGD with momentum 0.9 at a constant learning rate
-of 0.05, evaluated on the whole test split after every epoch, until the eval
-accuracy reaches `target` or `max_epochs` pass. The same network in PyTorch
-(`build_torch_digits_cnn`, the same layers and initial-weight scheme left to
-each framework) trains under DDP with each of its hooks on the same arrays,
-the same batch, optimizer, evaluation and stopping rule.
+batch 64 (32 per worker, 22 steps per epoch), SGD with momentum 0.9 at a
+constant learning rate of 0.05, evaluated on the whole test split after every
+epoch, until the eval accuracy reaches `target` or `max_epochs` pass. The
+same network in PyTorch (`build_torch_digits_cnn`, the same layers and
+initial-weight scheme left to each framework) trains under DDP with each of
+its hooks on the same arrays, the same batch, optimizer, evaluation and
+stopping rule. It does not start processes (`tfdp.bench.procs`) or judge the
+ratios (`tfdp.bench.targets`).
+
+Each peer runs at its own best settings, as its users would write it:
+
+- tfdp: `tfdp.compile(..., steps_per_execution=S)` with S the steps of one
+  epoch (one `tf.function` call per epoch and one per evaluation; on this
+  tiny CNN a call costs more than a step), and the training set repeated
+  with `fit(steps_per_epoch=S)`, so Keras keeps one distributed iterator
+  instead of creating one per epoch. `spec["steps_per_execution"]` = 1
+  gives Keras' default for comparison.
+- DDP: the plain PyTorch loop (one Python call per step is how DDP runs;
+  there is nothing to batch), evaluation on the 360 images in one forward
+  pass under `no_grad`.
 
 Timing, the same for both: wall clock from the start of the first epoch
-(after start-up, before any tracing: tfdp's first epoch includes building
-its `tf.function`s, DDP has nothing to build) to the end of the evaluation
-that first reaches the target; every epoch's end is recorded too, so the
-steady epoch time (the median epoch after the first) is reported beside it.
-Each run is one launch of 2 workers over the suite's link.
+(after start-up and the process group's rendezvous, before any tracing:
+tfdp's first epoch includes building its `tf.function`s, DDP has nothing to
+build) to the end of the evaluation that first reaches the target; every
+epoch's end is recorded too, so the first epoch and the steady epoch (the
+median epoch after the first) are reported beside it. Each run is one launch
+of 2 workers over the current link; `run(repeats=R)` runs every method R
+times, in rounds (every method once, then again), and `summarize` reports
+the median and the range per method.
 
-    python -m tfdp.bench.time_to_accuracy                  # loopback
+    python -m tfdp.bench.time_to_accuracy                  # loopback, 3 repeats
     python -m tfdp.bench.time_to_accuracy --link 100mbit   # a shaped link (root)
 """
 
@@ -36,7 +53,9 @@ DDP_HOOKS = ("none", "fp16", "powersgd")
 _DEFAULTS = {"per_replica_batch": 32, "learning_rate": 0.05, "momentum": 0.9,
              "max_epochs": 30, "target": 0.95, "threads": 1, "seed": 0, "rank": 4,
              "fraction": 0.01, "local_sgd_sync_every": 8, "diloco_sync_every": 16,
-             "outer_learning_rate": 0.7, "outer_momentum": 0.5}
+             "outer_learning_rate": 0.7, "outer_momentum": 0.5,
+             # None: the steps of one epoch per tf.function call (see above).
+             "steps_per_execution": None}
 
 
 def write_digits(path: str) -> None:
@@ -62,6 +81,7 @@ def _summary(epoch_ends: list, accuracies: list, target: float) -> dict:
     return {
         "epochs_to_target": None if reached is None else reached + 1,
         "seconds_to_target": None if reached is None else epoch_ends[reached],
+        "first_epoch_seconds": durations[0] if durations else None,
         "steady_epoch_seconds": statistics.median(durations[1:]) if len(durations) > 1 else None,
         "accuracies": accuracies,
         "epoch_ends": epoch_ends,
@@ -102,17 +122,22 @@ def measure_tfdp(spec: dict) -> dict:
     strategy = tfdp.make_strategy()
     data = np.load(spec["data"])
     global_batch = spec["per_replica_batch"] * strategy.num_replicas_in_sync
+    steps = len(data["y_train"]) // global_batch  # drop the remainder, as DDP's loop does
+    # Repeated, with steps_per_epoch: one iterator for the whole run; each
+    # pass is one reshuffled epoch of `steps` whole batches.
     train = (tf.data.Dataset.from_tensor_slices((data["x_train"], data["y_train"]))
              .shuffle(len(data["y_train"]), seed=spec["seed"], reshuffle_each_iteration=True)
-             .batch(global_batch, drop_remainder=True))
+             .batch(global_batch, drop_remainder=True).repeat())
     test = tf.data.Dataset.from_tensor_slices((data["x_test"], data["y_test"])).batch(global_batch)
+    steps_per_execution = spec["steps_per_execution"] or steps
     keras.utils.set_random_seed(spec["seed"])
     with strategy.scope():
         model = models.get("cnn", input_shape=(8, 8, 1), num_classes=10)
         tfdp.compile(model, optimizer=keras.optimizers.SGD(spec["learning_rate"],
                                                            momentum=spec["momentum"]),
                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                     metrics=["accuracy"], **_compile_arguments(spec["method"], spec))
+                     metrics=["accuracy"], steps_per_execution=steps_per_execution,
+                     **_compile_arguments(spec["method"], spec))
     epoch_ends, accuracies = [], []
 
     class Clock(keras.callbacks.Callback):
@@ -126,10 +151,11 @@ def measure_tfdp(spec: dict) -> dict:
             if accuracies[-1] >= spec["target"]:
                 self.model.stop_training = True
 
-    model.fit(train, validation_data=test, epochs=spec["max_epochs"], verbose=0,
-              callbacks=[Clock()])
+    model.fit(train, steps_per_epoch=steps, validation_data=test, epochs=spec["max_epochs"],
+              verbose=0, callbacks=[Clock()])
     return {"framework": "tfdp", "method": spec["method"],
             "workers": tfdp.strategy_info(strategy).num_workers,
+            "steps_per_execution": steps_per_execution,
             **_summary(epoch_ends, accuracies, spec["target"])}
 
 
@@ -196,37 +222,115 @@ def measure_torch(spec: dict) -> dict:
             **_summary(epoch_ends, accuracies, spec["target"])}
 
 
-def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, timeout: float = 900.0,
-        **spec) -> dict:
-    """Every method at 2 workers (over the current link, `tfdp.bench.procs.through_link`).
+def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, repeats: int = 1,
+        timeout: float = 900.0, **spec) -> dict:
+    """Every method at 2 workers, `repeats` times (over the current link, `procs.through_link`).
+
+    Args:
+        tfdp_methods: names from `TFDP_METHODS`.
+        ddp_hooks: names from `DDP_HOOKS` (skipped without PyTorch).
+        repeats: launches per method, in rounds: every method once, then
+            again, so a burst of load on a shared machine hits them alike.
+        timeout: seconds per launch.
+        **spec: overrides of the job defaults (`max_epochs`, `target`, ...).
 
     Returns:
-        `{"rows": [measure_tfdp / measure_torch results], "best_tfdp",
-        "plain_over_best_tfdp", "best_ddp_over_best_tfdp"}` (ratios of
-        seconds to target; above 1: the best tfdp method is sooner).
+        `summarize(runs)` plus `"runs"` (every launch's result, with its
+        `"round"`), `"repeats"` and `"ddp_skipped"` (why DDP did not run, or
+        None).
+
+    Raises:
+        ValueError: an unknown method or hook, or `repeats` < 1.
+        tfdp.bench.procs.JobFailed: a launch failed or timed out.
     """
     from tfdp.bench import peer_torch
     from tfdp.bench import procs
 
-    rows = []
+    unknown = [m for m in tfdp_methods if m not in TFDP_METHODS] + [
+        h for h in ddp_hooks if h not in DDP_HOOKS]
+    if unknown:
+        raise ValueError(f"`tfdp_methods` must be among {', '.join(TFDP_METHODS)} and "
+                         f"`ddp_hooks` among {', '.join(DDP_HOOKS)}. Received: {unknown!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be a positive integer. Received: repeats={repeats!r}")
+    ddp_skipped = peer_torch.torch_missing_reason()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="tfdp-tta-") as directory:
         data = os.path.join(directory, "digits.npz")
         write_digits(data)
-        for method in tfdp_methods:
-            rows.append(procs.run_job("time_to_accuracy_tfdp",
-                                      {**spec, "method": method, "data": data},
-                                      nproc=2, timeout=timeout))
-        if peer_torch.torch_missing_reason() is None:
-            for hook in ddp_hooks:
-                rows.append(procs.run_job(
+        for round_index in range(repeats):
+            for method in tfdp_methods:
+                row = procs.run_job("time_to_accuracy_tfdp",
+                                    {**spec, "method": method, "data": data},
+                                    nproc=2, timeout=timeout)
+                runs.append({**row, "round": round_index})
+            for hook in ddp_hooks if ddp_skipped is None else ():
+                row = procs.run_job(
                     "time_to_accuracy_torch",
                     {**spec, "hook": hook, "data": data, "port": procs.free_port()},
-                    nproc=2, timeout=timeout))
+                    nproc=2, timeout=timeout)
+                runs.append({**row, "round": round_index})
+    return {**summarize(runs), "runs": runs, "repeats": repeats, "ddp_skipped": ddp_skipped}
+
+
+def _spread(values: list) -> dict:
+    """Median, min and max of `values` (None entries dropped; all None if none is left)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: list) -> dict:
+    """One row per (framework, method) over its repeated runs, and `compare` of those rows.
+
+    A method's `seconds_to_target` is the median over its runs when every
+    run reached the target, else None (its `reached` says how many did):
+    a method that sometimes misses is not "sooner".
+
+    Args:
+        runs: `measure_tfdp` / `measure_torch` results.
+
+    Returns:
+        `{"rows": [{"framework", "method", "runs", "reached",
+        "seconds_to_target" (median or None), "seconds_to_target_spread",
+        "epochs_to_target", "first_epoch_seconds", "steady_epoch_seconds"
+        (each a median/min/max dict)}], **compare(rows)}`, rows in the order
+        the methods first ran.
+    """
+    groups: dict = {}
+    for run in runs:
+        groups.setdefault((run["framework"], run["method"]), []).append(run)
+    rows = []
+    for (framework, method), group in groups.items():
+        reached = sum(r["seconds_to_target"] is not None for r in group)
+        seconds = _spread([r["seconds_to_target"] for r in group])
+        rows.append({
+            "framework": framework, "method": method, "runs": len(group), "reached": reached,
+            "seconds_to_target": seconds["median"] if reached == len(group) else None,
+            "seconds_to_target_spread": seconds,
+            "epochs_to_target": _spread([r["epochs_to_target"] for r in group]),
+            "first_epoch_seconds": _spread([r.get("first_epoch_seconds") for r in group]),
+            "steady_epoch_seconds": _spread([r["steady_epoch_seconds"] for r in group]),
+            "last_accuracy": _spread([r["accuracies"][-1] if r["accuracies"] else None
+                                      for r in group]),
+        })
     return {"rows": rows, **compare(rows)}
 
 
 def compare(rows: list) -> dict:
-    """The best tfdp method and how much sooner it reaches the target than plain and DDP's best."""
+    """The best tfdp method and how much sooner it reaches the target than plain and DDP's best.
+
+    Args:
+        rows: dictionaries with `framework`, `method` and `seconds_to_target`
+            (None: did not reach the target), e.g. `summarize`'s rows.
+
+    Returns:
+        `{"best_tfdp", "plain_over_best_tfdp", "best_ddp",
+        "best_ddp_over_best_tfdp"}`: ratios of seconds to target (above 1:
+        the best tfdp method is sooner); None where a side has no row or the
+        best tfdp method never reached the target.
+    """
     def seconds(row):
         return row["seconds_to_target"] if row["seconds_to_target"] is not None else float("inf")
 
@@ -246,6 +350,13 @@ def compare(rows: list) -> dict:
     }
 
 
+def _cell(spread: dict, digits: int = 1) -> str:
+    if spread["median"] is None:
+        return "-"
+    return (f"{spread['median']:.{digits}f} ({spread['min']:.{digits}f}-"
+            f"{spread['max']:.{digits}f})")
+
+
 def main(argv=None) -> int:
     import argparse
     import contextlib
@@ -257,20 +368,47 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tfdp.bench.time_to_accuracy")
     parser.add_argument("--link", default=None, help="shape the workers' loopback, e.g. 100mbit")
     parser.add_argument("--max_epochs", type=int, default=_DEFAULTS["max_epochs"])
+    parser.add_argument("--repeats", type=int, default=3, help="launches per method")
+    parser.add_argument("--methods", default=",".join(TFDP_METHODS),
+                        help="tfdp methods, comma-separated")
+    parser.add_argument("--hooks", default=",".join(DDP_HOOKS),
+                        help="DDP hooks, comma-separated (empty: none)")
+    parser.add_argument("--steps_per_execution", type=int, default=None,
+                        help="tfdp steps per tf.function call (default: one epoch)")
     args = parser.parse_args(argv)
-    context = contextlib.nullcontext(None)
     if args.link:
-        context = link_lib.shaped_link(args.link)
-    with context as prefix, (procs.through_link(prefix) if prefix else contextlib.nullcontext()):
-        result = run(max_epochs=args.max_epochs)
-    print(f"time to 0.95 digits eval accuracy, 2 workers, link {args.link or 'loopback'}, "
-          f"{machine.describe().get('cpu')}")
+        try:
+            link_lib.check_rate(args.link)
+        except ValueError as error:
+            parser.error(str(error))
+    context = contextlib.nullcontext(None)
+    load_before = machine.load_average()
+    try:
+        if args.link:
+            context = link_lib.shaped_link(args.link)
+        with context as prefix, (procs.through_link(prefix) if prefix
+                                 else contextlib.nullcontext()):
+            result = run(tfdp_methods=[m for m in args.methods.split(",") if m],
+                         ddp_hooks=[h for h in args.hooks.split(",") if h],
+                         repeats=args.repeats, max_epochs=args.max_epochs,
+                         steps_per_execution=args.steps_per_execution)
+    except (ValueError, link_lib.LinkUnavailable) as error:
+        print(f"python -m tfdp.bench.time_to_accuracy: {error}", file=sys.stderr)
+        return 2
+    print(f"time to {_DEFAULTS['target']} digits eval accuracy, 2 workers, link "
+          f"{args.link or 'loopback'}, {machine.describe().get('cpu')}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_before} -> "
+          f"{machine.load_average()}, {args.repeats} launch(es) per method; "
+          f"median (min-max)")
+    print("| framework | method | seconds to target | epochs | first epoch (s) | "
+          "steady epoch (s) | reached |")
+    print("|---|---|---|---|---|---|---|")
     for row in result["rows"]:
-        print(f"{row['framework']:12s} {row['method']:10s} epochs {row['epochs_to_target']} "
-              f"seconds {row['seconds_to_target'] and round(row['seconds_to_target'], 1)} "
-              f"steady epoch {row['steady_epoch_seconds'] and round(row['steady_epoch_seconds'], 2)} s "
-              f"last accuracy {row['accuracies'][-1]:.4f}")
-    print({k: v for k, v in result.items() if k != "rows"})
+        print(f"| {row['framework']} | {row['method']} | "
+              f"{_cell(row['seconds_to_target_spread'])} | "
+              f"{_cell(row['epochs_to_target'], 0)} | {_cell(row['first_epoch_seconds'])} | "
+              f"{_cell(row['steady_epoch_seconds'], 2)} | {row['reached']}/{row['runs']} |")
+    print({k: v for k, v in result.items() if k not in ("rows", "runs")})
     return 0
 
 

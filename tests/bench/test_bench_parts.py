@@ -240,6 +240,7 @@ def test_time_to_accuracy_reads_the_first_epoch_at_the_target():
     summary = time_to_accuracy._summary(  # pylint: disable=protected-access
         [5.0, 6.0, 7.5, 8.5], [0.8, 0.93, 0.951, 0.97], 0.95)
     assert (summary["epochs_to_target"], summary["seconds_to_target"]) == (3, 7.5)
+    assert summary["first_epoch_seconds"] == 5.0
     assert summary["steady_epoch_seconds"] == 1.0  # median of 1.0, 1.5, 1.0
     never = time_to_accuracy._summary([1.0], [0.5], 0.95)  # pylint: disable=protected-access
     assert never["seconds_to_target"] is None
@@ -253,6 +254,85 @@ def test_time_to_accuracy_reads_the_first_epoch_at_the_target():
     assert compared["best_tfdp"] == "topk" and compared["best_ddp"] == "powersgd"
     assert compared["plain_over_best_tfdp"] == 3.0
     assert compared["best_ddp_over_best_tfdp"] == 2.0
+
+
+def _tta_run(framework, method, epoch_ends, accuracies):
+    from tfdp.bench import time_to_accuracy
+
+    return {"framework": framework, "method": method,
+            **time_to_accuracy._summary(epoch_ends, accuracies, 0.95)}  # pylint: disable=protected-access
+
+
+def test_time_to_accuracy_summary_takes_medians_over_repeats_and_ranks_by_them():
+    from tfdp.bench import time_to_accuracy
+
+    runs = [  # two rounds: every method once per round
+        _tta_run("tfdp", "plain", [9.0, 12.0, 15.0], [0.5, 0.9, 0.96]),
+        _tta_run("tfdp", "diloco", [6.0, 7.0], [0.9, 0.96]),
+        _tta_run("PyTorch DDP", "powersgd", [1.0, 2.0, 3.0, 4.0], [0.5, 0.8, 0.9, 0.96]),
+        _tta_run("tfdp", "plain", [8.0, 10.0, 12.0], [0.5, 0.9, 0.97]),
+        _tta_run("tfdp", "diloco", [5.0, 6.5], [0.9, 0.95]),
+        _tta_run("PyTorch DDP", "powersgd", [1.0, 2.0, 3.0], [0.5, 0.9, 0.95]),
+        _tta_run("tfdp", "plain", [9.0, 11.0, 13.0], [0.5, 0.9, 0.99]),
+        _tta_run("tfdp", "diloco", [5.5, 6.0], [0.9, 0.97]),
+        _tta_run("PyTorch DDP", "powersgd", [1.0, 2.0, 3.0, 4.0], [0.5, 0.8, 0.9, 0.99]),
+    ]
+    summary = time_to_accuracy.summarize(runs)
+    rows = {(r["framework"], r["method"]): r for r in summary["rows"]}
+    assert list(rows) == [("tfdp", "plain"), ("tfdp", "diloco"), ("PyTorch DDP", "powersgd")]
+    plain = rows["tfdp", "plain"]
+    assert (plain["runs"], plain["reached"], plain["seconds_to_target"]) == (3, 3, 13.0)
+    assert plain["seconds_to_target_spread"] == {"median": 13.0, "min": 12.0, "max": 15.0}
+    assert plain["first_epoch_seconds"] == {"median": 9.0, "min": 8.0, "max": 9.0}
+    assert plain["steady_epoch_seconds"] == {"median": 2.0, "min": 2.0, "max": 3.0}  # per run: 3, 2, 2
+    assert rows["tfdp", "diloco"]["seconds_to_target"] == 6.5
+    assert rows["tfdp", "diloco"]["epochs_to_target"] == {"median": 2, "min": 2, "max": 2}
+    assert rows["PyTorch DDP", "powersgd"]["seconds_to_target"] == 4.0
+    assert summary["best_tfdp"] == "diloco" and summary["best_ddp"] == "powersgd"
+    assert summary["plain_over_best_tfdp"] == pytest.approx(13.0 / 6.5)
+    assert summary["best_ddp_over_best_tfdp"] == pytest.approx(4.0 / 6.5)
+
+
+def test_time_to_accuracy_method_that_sometimes_misses_is_not_sooner():
+    from tfdp.bench import time_to_accuracy
+
+    summary = time_to_accuracy.summarize([
+        _tta_run("tfdp", "plain", [9.0, 12.0], [0.9, 0.96]),
+        _tta_run("tfdp", "topk", [2.0], [0.97]),
+        _tta_run("tfdp", "topk", [2.0, 4.0], [0.5, 0.9]),  # stopped short of the target
+    ])
+    topk = next(r for r in summary["rows"] if r["method"] == "topk")
+    assert (topk["reached"], topk["runs"], topk["seconds_to_target"]) == (1, 2, None)
+    assert topk["seconds_to_target_spread"]["median"] == 2.0  # the one that reached
+    assert summary["best_tfdp"] == "plain" and summary["plain_over_best_tfdp"] == 1.0
+    assert summary["best_ddp"] is None and summary["best_ddp_over_best_tfdp"] is None
+
+
+def test_time_to_accuracy_targets_and_report():
+    from tfdp.bench import time_to_accuracy
+
+    case = {**time_to_accuracy.summarize([
+        _tta_run("tfdp", "plain", [9.0, 12.0, 15.0], [0.5, 0.9, 0.96]),
+        _tta_run("tfdp", "diloco", [4.0, 5.0], [0.9, 0.96]),
+        _tta_run("PyTorch DDP", "fp16", [1.0, 2.0, 3.0, 8.0], [0.5, 0.8, 0.9, 0.96]),
+    ]), "repeats": 1, "ddp_skipped": None, "status": "ok"}
+    measured = {t["name"]: t for t in targets.check({"time_to_accuracy": case})}
+    assert measured["tta_plain_over_best_tfdp"]["value"] == 3.0
+    assert measured["tta_plain_over_best_tfdp"]["met"] is True
+    assert measured["tta_best_ddp_over_best_tfdp"]["value"] == pytest.approx(1.6)
+    assert measured["tta_best_ddp_over_best_tfdp"]["met"] is True
+    markdown = report._time_to_accuracy(case)  # pylint: disable=protected-access
+    assert any("DiLoCo" in line and "5.0 (5.0–5.0)" in line and "1/1" in line
+               for line in markdown)
+    assert any("`fp16_compress_hook`" in line and "8.0 (8.0–8.0)" in line for line in markdown)
+    assert any("tfdp plain ÷ it 3.00" in line and "÷ it 1.60" in line for line in markdown)
+
+
+@pytest.mark.parametrize("overrides", [{"tta_methods": ()}, {"tta_methods": ("adam",)},
+                                       {"tta_hooks": ("bf16",)}, {"tta_max_epochs": 0}])
+def test_bad_time_to_accuracy_config_is_refused(overrides):
+    with pytest.raises(ValueError, match="tta_"):
+        suite.SuiteConfig(**overrides)
 
 
 def test_predict_summary_ratios():

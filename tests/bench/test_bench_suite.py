@@ -18,7 +18,8 @@ from tfdp.bench import targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # --quick took 7.5 minutes on an idle 2-core AMD EPYC VM before the memory case
-# (≈2 min more, 4 launches); leave room for a busy one.
+# (≈2 min more, 4 launches) and time to accuracy (2 launches of 2 epochs, ≈1 min);
+# leave room for a busy one.
 TIMEOUT_SECONDS = 1200
 
 
@@ -55,6 +56,12 @@ def test_quick_suite_writes_every_case(tmp_path):
         "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_local_sgd",
         "tfdp_fit_diloco"}
     assert {r["path"] for r in communication["mlp"]["rows"]} == {"tfdp_fit", "tfdp_fit_powersgd"}
+    tta = results["cases"]["time_to_accuracy"]
+    assert [(r["framework"], r["method"], r["runs"]) for r in tta["rows"]] == [
+        ("tfdp", "diloco", 1), ("PyTorch DDP", "powersgd", 1)]
+    for run in tta["runs"]:  # 2 epochs each (--quick), each evaluated
+        assert len(run["epoch_ends"]) == len(run["accuracies"]) >= 1
+        assert 0.0 <= run["accuracies"][-1] <= 1.0
     accumulation = results["cases"]["accumulation"]
     assert [len(samples) for samples in accumulation["times"].values()] == [2, 2]
 
@@ -74,6 +81,7 @@ def test_quick_suite_writes_every_case(tmp_path):
     markdown = (out_dir / "results.md").read_text()
     for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",
                     "## 4. Communication", "## 5. Gradient accumulation", "## 6. All-reduce",
-                    "## 7. Input pipeline", "## 8. Batch inference", "## 9. Memory"):
+                    "## 7. Input pipeline", "## 8. Batch inference", "## 9. Memory",
+                    "## 10. Time to accuracy"):
         assert heading in markdown
     assert results["machine"]["cpu"] in markdown
