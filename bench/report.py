@@ -225,14 +225,15 @@ def _time_to_accuracy(case) -> list[str]:
              "end of the evaluation that first reaches 0.95; each method launched "
              f"{case.get('repeats')} time(s), in rounds; median (min–max) over the launches.",
              "", "| framework | gradient exchange | seconds to 0.95 | epochs | first epoch (s) | "
-             "steady epoch (s) | reached |", "|---|---|---|---|---|---|---|"]
+             "steady epoch (s) | reached | load average (1 min) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in case["rows"]:
         labels = TTA_METHOD_LABELS if r["framework"] == "tfdp" else TTA_HOOK_LABELS
         lines.append(
             f"| {r['framework']} | {labels.get(r['method'], r['method'])} | "
             f"{_spread(r['seconds_to_target_spread'])} | {_spread(r['epochs_to_target'], 0)} | "
             f"{_spread(r['first_epoch_seconds'])} | {_spread(r['steady_epoch_seconds'], 2)} | "
-            f"{r['reached']}/{r['runs']} |")
+            f"{r['reached']}/{r['runs']} | {_spread(r.get('load_average_1min'))} |")
     lines += ["", f"Best tfdp method: {case.get('best_tfdp')}; tfdp plain ÷ it "
                   f"{_f(case.get('plain_over_best_tfdp'), 2)}; DDP's best "
                   f"({case.get('best_ddp')}) ÷ it {_f(case.get('best_ddp_over_best_tfdp'), 2)} "

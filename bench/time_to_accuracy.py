@@ -236,13 +236,14 @@ def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, repeats: int = 1,
 
     Returns:
         `summarize(runs)` plus `"runs"` (every launch's result, with its
-        `"round"`), `"repeats"` and `"ddp_skipped"` (why DDP did not run, or
-        None).
+        `"round"` and the 1/5/15-minute `"load_average_at_start"`),
+        `"repeats"` and `"ddp_skipped"` (why DDP did not run, or None).
 
     Raises:
         ValueError: an unknown method or hook, or `repeats` < 1.
         tfdp.bench.procs.JobFailed: a launch failed or timed out.
     """
+    from tfdp.bench import machine
     from tfdp.bench import peer_torch
     from tfdp.bench import procs
 
@@ -260,16 +261,18 @@ def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, repeats: int = 1,
         write_digits(data)
         for round_index in range(repeats):
             for method in tfdp_methods:
+                load = machine.load_average()
                 row = procs.run_job("time_to_accuracy_tfdp",
                                     {**spec, "method": method, "data": data},
                                     nproc=2, timeout=timeout)
-                runs.append({**row, "round": round_index})
+                runs.append({**row, "round": round_index, "load_average_at_start": load})
             for hook in ddp_hooks if ddp_skipped is None else ():
+                load = machine.load_average()
                 row = procs.run_job(
                     "time_to_accuracy_torch",
                     {**spec, "hook": hook, "data": data, "port": procs.free_port()},
                     nproc=2, timeout=timeout)
-                runs.append({**row, "round": round_index})
+                runs.append({**row, "round": round_index, "load_average_at_start": load})
     return {**summarize(runs), "runs": runs, "repeats": repeats, "ddp_skipped": ddp_skipped}
 
 
@@ -294,9 +297,9 @@ def summarize(runs: list) -> dict:
     Returns:
         `{"rows": [{"framework", "method", "runs", "reached",
         "seconds_to_target" (median or None), "seconds_to_target_spread",
-        "epochs_to_target", "first_epoch_seconds", "steady_epoch_seconds"
-        (each a median/min/max dict)}], **compare(rows)}`, rows in the order
-        the methods first ran.
+        "epochs_to_target", "first_epoch_seconds", "steady_epoch_seconds",
+        "last_accuracy", "load_average_1min" (each a median/min/max dict)}],
+        **compare(rows)}`, rows in the order the methods first ran.
     """
     groups: dict = {}
     for run in runs:
@@ -314,6 +317,8 @@ def summarize(runs: list) -> dict:
             "steady_epoch_seconds": _spread([r["steady_epoch_seconds"] for r in group]),
             "last_accuracy": _spread([r["accuracies"][-1] if r["accuracies"] else None
                                       for r in group]),
+            "load_average_1min": _spread([(r.get("load_average_at_start") or [None])[0]
+                                          for r in group]),
         })
     return {"rows": rows, **compare(rows)}
 
@@ -401,13 +406,14 @@ def main(argv=None) -> int:
           f"{machine.load_average()}, {args.repeats} launch(es) per method; "
           f"median (min-max)")
     print("| framework | method | seconds to target | epochs | first epoch (s) | "
-          "steady epoch (s) | reached |")
-    print("|---|---|---|---|---|---|---|")
+          "steady epoch (s) | reached | load average (1 min) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in result["rows"]:
         print(f"| {row['framework']} | {row['method']} | "
               f"{_cell(row['seconds_to_target_spread'])} | "
               f"{_cell(row['epochs_to_target'], 0)} | {_cell(row['first_epoch_seconds'])} | "
-              f"{_cell(row['steady_epoch_seconds'], 2)} | {row['reached']}/{row['runs']} |")
+              f"{_cell(row['steady_epoch_seconds'], 2)} | {row['reached']}/{row['runs']} | "
+              f"{_cell(row['load_average_1min'])} |")
     print({k: v for k, v in result.items() if k not in ("rows", "runs")})
     return 0
 

@@ -256,10 +256,10 @@ def test_time_to_accuracy_reads_the_first_epoch_at_the_target():
     assert compared["best_ddp_over_best_tfdp"] == 2.0
 
 
-def _tta_run(framework, method, epoch_ends, accuracies):
+def _tta_run(framework, method, epoch_ends, accuracies, load=2.0):
     from tfdp.bench import time_to_accuracy
 
-    return {"framework": framework, "method": method,
+    return {"framework": framework, "method": method, "load_average_at_start": (load, 1.0, 1.0),
             **time_to_accuracy._summary(epoch_ends, accuracies, 0.95)}  # pylint: disable=protected-access
 
 
@@ -270,7 +270,7 @@ def test_time_to_accuracy_summary_takes_medians_over_repeats_and_ranks_by_them()
         _tta_run("tfdp", "plain", [9.0, 12.0, 15.0], [0.5, 0.9, 0.96]),
         _tta_run("tfdp", "diloco", [6.0, 7.0], [0.9, 0.96]),
         _tta_run("PyTorch DDP", "powersgd", [1.0, 2.0, 3.0, 4.0], [0.5, 0.8, 0.9, 0.96]),
-        _tta_run("tfdp", "plain", [8.0, 10.0, 12.0], [0.5, 0.9, 0.97]),
+        _tta_run("tfdp", "plain", [8.0, 10.0, 12.0], [0.5, 0.9, 0.97], load=3.5),
         _tta_run("tfdp", "diloco", [5.0, 6.5], [0.9, 0.95]),
         _tta_run("PyTorch DDP", "powersgd", [1.0, 2.0, 3.0], [0.5, 0.9, 0.95]),
         _tta_run("tfdp", "plain", [9.0, 11.0, 13.0], [0.5, 0.9, 0.99]),
@@ -284,6 +284,7 @@ def test_time_to_accuracy_summary_takes_medians_over_repeats_and_ranks_by_them()
     assert (plain["runs"], plain["reached"], plain["seconds_to_target"]) == (3, 3, 13.0)
     assert plain["seconds_to_target_spread"] == {"median": 13.0, "min": 12.0, "max": 15.0}
     assert plain["first_epoch_seconds"] == {"median": 9.0, "min": 8.0, "max": 9.0}
+    assert plain["load_average_1min"] == {"median": 2.0, "min": 2.0, "max": 3.5}
     assert plain["steady_epoch_seconds"] == {"median": 2.0, "min": 2.0, "max": 3.0}  # per run: 3, 2, 2
     assert rows["tfdp", "diloco"]["seconds_to_target"] == 6.5
     assert rows["tfdp", "diloco"]["epochs_to_target"] == {"median": 2, "min": 2, "max": 2}
