@@ -247,7 +247,10 @@ def count_all_reduces(strategy):
 def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
               steps_per_execution=1, jit_compile=False, gradient_compression=None,
               sync_every=1, make_outer_optimizer=None, shard_optimizer_state=False):
-    """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`."""
+    """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`.
+
+    The trained model stays in `_TRAINED[name]`.
+    """
     with strategy.scope():
         model = build_model()
         tfdp.compile(model, optimizer=make_optimizer(), loss=loss(), metrics=["accuracy"],
@@ -280,7 +283,25 @@ def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
         results[f"{name}_scatters"] = bool(sharding.scatters)
     for i, w in enumerate(model.get_weights()):
         results[f"{name}_weight{i}"] = np.asarray(w, "float32")
+    _TRAINED[name] = model
     return results
+
+
+#: The models `_fit_case` trained, by case name.
+_TRAINED = {}
+
+
+def _keras_save_case(name, path):
+    """Tries `model.save(path)` on case `name`'s model; `{name}_keras_save_error` ("" if saved).
+
+    Run after the scratch-directory count: a save Keras gives up on leaves
+    its temporary asset directory behind.
+    """
+    try:
+        _TRAINED[name].save(path)
+        return {f"{name}_keras_save_error": ""}
+    except ValueError as error:
+        return {f"{name}_keras_save_error": str(error)}
 
 
 def _mixed_precision_cases(tfdp, strategy, counter):
@@ -529,6 +550,7 @@ def main(out_dir: str) -> None:
           accum_steps=ACCUM_STEPS, shard_optimizer_state=True)
     results["scratch_created"] = len(scratch)
     results["scratch_left"] = np.array([p for p in scratch if os.path.exists(p)], dtype=str)
+    timed("zero_keras", _keras_save_case, "zero", os.path.join(out_dir, f"zero-rank{rank}.keras"))
     # After the scratch count above: these Trainers save more.
     timed("resume", _resume_cases, tfdp, strategy, out_dir)
     timed("jit", _jit_case, tfdp, strategy, counter)

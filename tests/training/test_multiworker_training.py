@@ -239,6 +239,10 @@ def test_sharded_optimizer_state_on_two_workers_equals_one_device(workers):
     # No gradient all-reduce at all (the count skips single numbers such as
     # the one-float non-finite verdict on the chunks).
     assert int(first["zero_grad_allreduces"]) == 0
+    # Keras' own .keras file would hold one worker's chunks only: refused.
+    for record in records:
+        assert "cannot be saved into a .keras file" in str(record["zero_keras_save_error"])
+        assert "on 2 workers" in str(record["zero_keras_save_error"])
 
 
 @pytest.mark.parametrize("name", list(job.RESUME_CASES))

@@ -284,11 +284,11 @@ def test_gradients_reach_the_chunks_by_all_to_all_and_are_never_all_reduced(stra
     the gradients cross the wire once, as ``[N, sum S]`` (sizes 35, 7, 7, 1
     on 2 replicas: chunks of 18, 4, 4 and 1).
     """
-    from tfdp._upstream import collective_all_to_all
+    from tfdp._upstream import collective_exchange
     from tfdp.distribute import reduction
 
     sent, reduced = [], []
-    real_all_to_all, real_all_reduce = collective_all_to_all.all_to_all, reduction.all_reduce_sum
+    real_all_to_all, real_all_reduce = collective_exchange.all_to_all, reduction.all_reduce_sum
 
     def recording_all_to_all(context, tensor):
         sent.append(tuple(tensor.shape))
@@ -298,7 +298,7 @@ def test_gradients_reach_the_chunks_by_all_to_all_and_are_never_all_reduced(stra
         reduced.append(sum(int(np.prod(t.shape)) for t in tensors if t is not None))
         return real_all_reduce(context, tensors, *args, **kwargs)
 
-    monkeypatch.setattr(collective_all_to_all, "all_to_all", recording_all_to_all)
+    monkeypatch.setattr(collective_exchange, "all_to_all", recording_all_to_all)
     monkeypatch.setattr(reduction, "all_reduce_sum", recording_all_reduce)
     strategy = strategies[2]
     sharded = fit(strategy, "adam", True)

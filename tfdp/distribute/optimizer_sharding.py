@@ -28,7 +28,8 @@ each of the N replicas keeps them for 1/N of the parameters only:
   an all-gather). TensorFlow's own reduce-scatter
   (`CollectiveReduceScatterV2`) has no CPU implementation, so the exchange is
   its all-to-all, through the strategy's collective launchers
-  (`tfdp._upstream.collective_all_to_all`). One more all-reduce of one float
+  (`tfdp._upstream.collective_exchange`); on GPUs NCCL's reduce-scatter is
+  used (not run here: no GPU). One more all-reduce of one float
   per step gives every replica the same non-finite verdict on the chunks.
   Where the gradients are compressed (`gradient_compression`,
   `all_reduce_dtype`), or the strategy has no collective launchers, the
@@ -69,7 +70,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp._upstream import collective_all_to_all
+from tfdp._upstream import collective_exchange
 from tfdp.distribute import reduction
 from tfdp.distribute import strategy_info as strategy_info_lib
 
@@ -385,10 +386,10 @@ class OptimizerSharding:
         True under a strategy with collective launchers for every replica
         (MultiWorkerMirroredStrategy, MirroredStrategy's collective ops):
         `reduce_scatter_gradients` then exchanges the chunks with an
-        all-to-all (`tfdp._upstream.collective_all_to_all`).
+        all-to-all (`tfdp._upstream.collective_exchange`).
         """
         if self._scatters is None:
-            self._scatters = bool(self.active and collective_all_to_all.available(self._strategy))
+            self._scatters = bool(self.active and collective_exchange.available(self._strategy))
         return self._scatters
 
     def reduce_scatter_gradients(self, context, gradients, variables):
@@ -398,7 +399,8 @@ class OptimizerSharding:
         each replica lays its gradients out as ``[N, sum S]`` (row j: its
         chunks for replica j, zero-padded as the layout pads), one all-to-all
         sends row j to replica j, and each replica sums the N rows it
-        receives. Every replica sends and receives (N - 1) / N of its
+        receives (on GPUs, NCCL's reduce-scatter does both:
+        `tfdp._upstream.collective_exchange.reduce_scatter_sum`). Every replica sends and receives (N - 1) / N of its
         gradients' bytes, the bytes of the reduce-scatter half of a ring
         all-reduce; the whole summed gradient never exists on any replica.
 
@@ -427,8 +429,7 @@ class OptimizerSharding:
                 flat = tf.reshape(gradient, [-1])
                 padded = tf.pad(flat, [[0, self.num_shards * size - _num_elements(self._variables[i])]])
                 rows.append(tf.reshape(padded, [self.num_shards, size]))
-            received = collective_all_to_all.all_to_all(context, tf.concat(rows, axis=1))
-            summed = tf.reduce_sum(received, axis=0)
+            summed = collective_exchange.reduce_scatter_sum(context, tf.concat(rows, axis=1))
             sizes = [int(self.shards[i].shape[0]) for i, _ in members]
             for (_, k), chunk in zip(members, tf.split(summed, sizes)):
                 chunks[k] = chunk

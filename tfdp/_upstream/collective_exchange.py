@@ -1,4 +1,4 @@
-"""An all-to-all among a strategy's replicas, through its own collective launchers.
+"""Reduce-scatter and all-to-all among a strategy's replicas, through its own collective launchers.
 
 `tf.distribute` offers all-reduce and all-gather in a replica context, but
 no reduce-scatter and no all-to-all. ZeRO-1
@@ -11,6 +11,12 @@ to replica j, and summing what it receives over the rows is the
 reduce-scatter, with the bytes of a ring reduce-scatter ((N - 1) / N of the
 tensor per replica).
 
+On GPUs, where NCCL implements `CollectiveReduceScatterV2`,
+`reduce_scatter_sum` uses it instead (`exchange_kind` says which). That
+path has not run here: the machines tfdp is tested on have no GPU, and the
+op has no CPU implementation to test it with. Its selection is tested; the
+all-to-all is the fallback everywhere else.
+
 To be ordered with the strategy's other collectives (and to get instance
 keys every worker agrees on), the all-to-all goes through the strategy's
 `CollectiveAllReduce` launcher of the replica's device: its group, its next
@@ -21,7 +27,7 @@ instance key and its ordering token. Those are private members of
 reads them. `launcher_of` answers None (and callers fall back to all-reduce
 and slice) when the strategy has no collective launchers (a single device,
 `NcclAllReduce`, `ReductionToOneDevice`) or TensorFlow is outside
-`KNOWN_TF_RANGE`. `tests/_upstream/test_collective_all_to_all.py` is the
+`KNOWN_TF_RANGE`. `tests/_upstream/test_collective_exchange.py` is the
 canary.
 """
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
 from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import gen_collective_ops
 
 from tfdp._upstream import _versions
 
@@ -109,7 +116,7 @@ def all_to_all(context: tf.distribute.ReplicaContext, tensor: tf.Tensor) -> tf.T
             f"{type(context.strategy).__name__}: all_to_all needs collective ops "
             f"(TensorFlow {KNOWN_TF_RANGE[0][0]}.{KNOWN_TF_RANGE[0][1]} to "
             f"{KNOWN_TF_RANGE[1][0]}.{KNOWN_TF_RANGE[1][1]}; this is {tf.__version__}). "
-            "Check tfdp._upstream.collective_all_to_all.available() first.")
+            "Check tfdp._upstream.collective_exchange.available() first.")
     with tf.device(launcher._device):
         return collective_ops.all_to_all_v2(
             tensor,
@@ -119,3 +126,49 @@ def all_to_all(context: tf.distribute.ReplicaContext, tensor: tf.Tensor) -> tf.T
             timeout=launcher._options.timeout_seconds,
             ordering_token=launcher._get_ordering_token(),
         )
+
+
+def kind_for_devices(devices) -> str:
+    """`"reduce_scatter"` (NCCL's) when every device is a GPU, else `"all_to_all"`."""
+    on_gpus = bool(devices) and all(
+        "GPU" in device_util.canonicalize(d).upper() for d in devices)
+    return "reduce_scatter" if on_gpus else "all_to_all"
+
+
+def exchange_kind(strategy: tf.distribute.Strategy) -> str | None:
+    """How `reduce_scatter_sum` exchanges under `strategy`; None where it cannot (`available`)."""
+    if not available(strategy):
+        return None
+    return kind_for_devices([launcher._device for launcher in _collective_ops(strategy)._launchers])
+
+
+def reduce_scatter_sum(context: tf.distribute.ReplicaContext, rows: tf.Tensor) -> tf.Tensor:
+    """This replica's row of `rows` summed over the replicas (replica context).
+
+    Args:
+        context: the current replica context.
+        rows: `[N, S]`, the same shape and dtype on every replica: row j is
+            this replica's part of replica j's sum.
+
+    Returns:
+        `[S]`: the sum over the replicas of their row `replica_id_in_sync_group`.
+        By all-to-all and a local sum, or by NCCL's reduce-scatter on GPUs
+        (`exchange_kind`); either way each replica sends and receives
+        (N - 1) / N of `rows`.
+    """
+    if exchange_kind(context.strategy) != "reduce_scatter":
+        return tf.reduce_sum(all_to_all(context, rows), axis=0)
+    launcher = launcher_of(context.strategy, device_util.current())
+    with tf.device(launcher._device):
+        chunk = gen_collective_ops.collective_reduce_scatter_v2(
+            tf.reshape(rows, [-1]),
+            group_size=launcher._group_size,
+            group_key=launcher._group_key,
+            instance_key=launcher._next_instance_key(),
+            ordering_token=[launcher._get_ordering_token()],
+            merge_op="Add",
+            final_op="Id",
+            communication_hint="nccl",
+            timeout_seconds=launcher._options.timeout_seconds or 0,
+        )
+    return tf.reshape(chunk, [rows.shape[1]])
