@@ -400,9 +400,10 @@ class OptimizerSharding:
         chunks for replica j, zero-padded as the layout pads), one all-to-all
         sends row j to replica j, and each replica sums the N rows it
         receives (on GPUs, NCCL's reduce-scatter does both:
-        `tfdp._upstream.collective_exchange.reduce_scatter_sum`). Every replica sends and receives (N - 1) / N of its
-        gradients' bytes, the bytes of the reduce-scatter half of a ring
-        all-reduce; the whole summed gradient never exists on any replica.
+        `tfdp._upstream.collective_exchange.reduce_scatter_sum`). Every
+        replica sends and receives (N - 1) / N of its gradients' bytes, the
+        bytes of the reduce-scatter half of a ring all-reduce; the whole
+        summed gradient never exists on any replica.
 
         Args:
             context: the replica context.
@@ -427,7 +428,8 @@ class OptimizerSharding:
                     gradient = tf.convert_to_tensor(gradient)
                 size = int(self.shards[i].shape[0])
                 flat = tf.reshape(gradient, [-1])
-                padded = tf.pad(flat, [[0, self.num_shards * size - _num_elements(self._variables[i])]])
+                padding = self.num_shards * size - _num_elements(self._variables[i])
+                padded = tf.pad(flat, [[0, padding]])
                 rows.append(tf.reshape(padded, [self.num_shards, size]))
             summed = collective_exchange.reduce_scatter_sum(context, tf.concat(rows, axis=1))
             sizes = [int(self.shards[i].shape[0]) for i, _ in members]
