@@ -353,6 +353,32 @@ def test_one_gradient_all_reduce_per_optimizer_step(accum_steps, global_batch):
             np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=0)
 
 
+def test_steps_are_not_converted_by_autograph_as_in_keras_fit(monkeypatch):
+    """A converted function runs from AutoGraph's generated copy, not from its own file."""
+    import inspect
+
+    from tfdp.training import train_step as train_step_lib
+
+    files = []
+    train_step, eval_step = train_step_lib.replica_train_step, train_step_lib.replica_eval_step
+
+    def recording_train_step(**kwargs):
+        files.append(inspect.currentframe().f_code.co_filename)
+        return train_step(**kwargs)
+
+    def recording_eval_step(**kwargs):
+        files.append(inspect.currentframe().f_code.co_filename)
+        return eval_step(**kwargs)
+
+    monkeypatch.setattr(train_step_lib, "replica_train_step", recording_train_step)
+    monkeypatch.setattr(train_step_lib, "replica_eval_step", recording_eval_step)
+    trainer = _trainer(tfdp.make_strategy(cpu_replicas=2), steps_per_loop=2)
+    trainer.train(_global_batches(), steps=2)
+    trainer.evaluate(_global_batches())
+    assert len(files) >= 2  # traced: train and eval, on each replica
+    assert set(files) == {__file__}, files
+
+
 def test_evaluate_with_a_partial_last_batch_equals_one_device():
     x, y = _arrays(n=50)
     strategy = tfdp.make_strategy(cpu_replicas=2)

@@ -139,7 +139,11 @@ class ReplicaSteps:
         )
 
     def _step_fn(self, data):
-        self.strategy.run(self._replica_train_step, args=(data,))
+        # The loops around it need AutoGraph (`for _ in tf.range`), tfdp's step
+        # does not: converted, AutoGraph re-parses its whole call tree at the
+        # first trace (seconds). Keras' fit does not convert its steps either.
+        self.strategy.run(tf.autograph.experimental.do_not_convert(self._replica_train_step),
+                          args=(data,))
 
     def _train_loop_fn(self, iterator, num_steps):
         for _ in tf.range(num_steps):
@@ -166,7 +170,8 @@ class ReplicaSteps:
         )
 
     def _eval_step_fn(self, data):
-        self.strategy.run(self._replica_eval_step, args=(data,))
+        self.strategy.run(tf.autograph.experimental.do_not_convert(self._replica_eval_step),
+                          args=(data,))
 
     def distribute(self, dataset, skip: int):
         """A distributed iterator over `dataset`, entered at its batch `skip`.
