@@ -154,7 +154,7 @@ class SuiteConfig:
 
     @classmethod
     def quick_config(cls, **overrides) -> "SuiteConfig":
-        """The smoke-test sizes: every case, a few steps each (~9 min on 2 AMD EPYC cores).
+        """The smoke-test sizes: every case, a few steps each (~15 min on 2 AMD EPYC cores).
 
         Time to accuracy: one tfdp method and one DDP hook, 2 epochs each
         (enough to run every part of the case, not to reach the target).
