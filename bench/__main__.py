@@ -5,7 +5,7 @@ writes `results.json`, `results.md` and `results.png` into `--out_dir`.
 Exits 1 when a case failed (its error is in the files), 0 otherwise; a
 skipped case (PyTorch not installed) is not a failure.
 
-    python -m tfdp.bench                       # full suite, over an hour on 2 cores (memory and time to accuracy take 12-20 min each)
+    python -m tfdp.bench                       # full suite; not timed whole since memory (18 min alone) and time to accuracy (12 min) joined
     python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, ~15 min on 2 cores
     python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
 """
