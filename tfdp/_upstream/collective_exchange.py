@@ -56,26 +56,25 @@ def is_supported(tf_version: str | None = None) -> bool:
     return low <= version <= high
 
 
-def _collective_ops(strategy: tf.distribute.Strategy):
+def _launchers(strategy: tf.distribute.Strategy) -> list | None:
+    """The strategy's collective launchers, one per local replica, or None when there are none to use."""
+    if not is_supported() or strategy.num_replicas_in_sync < 2:
+        return None
     extended = strategy.extended
     for name in ("_collective_ops", "_cross_device_ops"):  # Mirrored, MultiWorkerMirrored
         ops = getattr(extended, name, None)
         if type(ops).__name__ == "CollectiveAllReduce" and hasattr(ops, "_launchers"):
-            return ops
+            launchers = list(ops._launchers)
+            if all(hasattr(launcher, m) for launcher in launchers for m in _LAUNCHER_MEMBERS):
+                return launchers
+            return None
     return None
 
 
 def launcher_of(strategy: tf.distribute.Strategy, device: str):
     """The collective launcher of the replica on `device`, or None when there is none to use."""
-    if not is_supported() or strategy.num_replicas_in_sync < 2:
-        return None
-    ops = _collective_ops(strategy)
-    if ops is None:
-        return None
     wanted = device_util.canonicalize(device)
-    for launcher in ops._launchers:
-        if not all(hasattr(launcher, m) for m in _LAUNCHER_MEMBERS):
-            return None
+    for launcher in _launchers(strategy) or ():
         if device_util.canonicalize(launcher._device) == wanted:
             return launcher
     return None
@@ -83,11 +82,11 @@ def launcher_of(strategy: tf.distribute.Strategy, device: str):
 
 def available(strategy: tf.distribute.Strategy) -> bool:
     """Whether `all_to_all` can run under `strategy` (collective launchers for every replica)."""
-    ops = _collective_ops(strategy) if is_supported() else None
-    if ops is None or strategy.num_replicas_in_sync < 2:
-        return False
-    return all(launcher_of(strategy, launcher._device) is not None
-               for launcher in ops._launchers)
+    return _launchers(strategy) is not None
+
+
+def _timeout_seconds(launcher) -> float:
+    return launcher._options.timeout_seconds or 0
 
 
 def all_to_all(context: tf.distribute.ReplicaContext, tensor: tf.Tensor) -> tf.Tensor:
@@ -123,7 +122,7 @@ def all_to_all(context: tf.distribute.ReplicaContext, tensor: tf.Tensor) -> tf.T
             launcher._group_size,
             launcher._group_key,
             launcher._next_instance_key(),
-            timeout=launcher._options.timeout_seconds,
+            timeout=_timeout_seconds(launcher),
             ordering_token=launcher._get_ordering_token(),
         )
 
@@ -137,9 +136,10 @@ def kind_for_devices(devices) -> str:
 
 def exchange_kind(strategy: tf.distribute.Strategy) -> str | None:
     """How `reduce_scatter_sum` exchanges under `strategy`; None where it cannot (`available`)."""
-    if not available(strategy):
+    launchers = _launchers(strategy)
+    if launchers is None:
         return None
-    return kind_for_devices([launcher._device for launcher in _collective_ops(strategy)._launchers])
+    return kind_for_devices([launcher._device for launcher in launchers])
 
 
 def reduce_scatter_sum(context: tf.distribute.ReplicaContext, rows: tf.Tensor) -> tf.Tensor:
@@ -169,6 +169,6 @@ def reduce_scatter_sum(context: tf.distribute.ReplicaContext, rows: tf.Tensor) -
             merge_op="Add",
             final_op="Id",
             communication_hint="nccl",
-            timeout_seconds=launcher._options.timeout_seconds or 0,
+            timeout_seconds=_timeout_seconds(launcher),
         )
     return tf.reshape(chunk, [rows.shape[1]])
