@@ -200,6 +200,28 @@ def test_one_weight_all_reduce_per_window_and_none_between(sync_every, kind, win
     assert int(all_gathers.numpy()) == 0
 
 
+def test_sync_is_not_converted_by_autograph_as_the_steps_are(two_replicas, monkeypatch):
+    """A converted function runs from AutoGraph's generated copy, not from its own file.
+
+    Converted, the synchronisation function made AutoGraph re-parse its
+    whole call tree (the all-reduce, the outer optimizer) on its first trace.
+    """
+    import inspect
+
+    files = []
+    values = local_sync_lib.LocalSync._values  # pylint: disable=protected-access
+
+    def recording_values(self):
+        files.append(inspect.currentframe().f_code.co_filename)
+        return values(self)
+
+    monkeypatch.setattr(local_sync_lib.LocalSync, "_values", recording_values)
+    model = fit(two_replicas, 100, "diloco", epochs=1)  # one sync, by sync_pending
+    assert len(files) >= 2  # traced: in the train step and in sync_pending, on each replica
+    assert set(files) == {__file__}, files
+    assert int(model.optimizer.local_sync.steps_since_sync.numpy()) == 0
+
+
 def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas, tmp_path):
     """A checkpoint ends a window, so a run stopped there and resumed equals one that went on.
 

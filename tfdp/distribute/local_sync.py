@@ -177,7 +177,12 @@ class LocalSync:
                 replica_cond.replica_cond(context, self.steps_since_sync > 0, self._sync,
                                           _nothing, self._values())
 
-            self._sync_function = tf.function(lambda: self._strategy.run(replica_fn))
+            # Not converted by AutoGraph (nothing here branches on a tensor in
+            # Python; the choice is replica_cond's tf.cond): converted, it
+            # re-parsed the whole call tree on the first trace. Keras' fit
+            # and tfdp's train steps are not converted either.
+            self._sync_function = tf.function(lambda: self._strategy.run(replica_fn),
+                                              autograph=False)
         self._sync_function()
 
     def get_config(self) -> dict:
