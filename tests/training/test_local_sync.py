@@ -106,12 +106,12 @@ def numpy_local_training(sync_every, diloco, epochs=EPOCHS, replicas=2):
     return [weights[0][:-1].reshape(FEATURES, 1), weights[0][-1:]]
 
 
-def fit(strategy, sync_every, kind, epochs=EPOCHS, callbacks=()):
+def fit(strategy, sync_every, kind, epochs=EPOCHS, callbacks=(), **fit_kwargs):
     with strategy.scope():
         model = linear_model()
         tfdp.compile(model, optimizer=inner_optimizer(), loss="mse", sync_every=sync_every,
                      outer_optimizer=outer_optimizer(kind))
-    model.fit(dataset(), epochs=epochs, verbose=0, callbacks=list(callbacks))
+    model.fit(dataset(), epochs=epochs, verbose=0, callbacks=list(callbacks), **fit_kwargs)
     return model
 
 
@@ -188,6 +188,27 @@ def test_replicas_drift_between_synchronisations(two_replicas):
     last = seen[STEPS_PER_EPOCH - 1]  # the sync runs before the user's callbacks
     np.testing.assert_array_equal(last[0][0], last[0][1])
     assert int(model.optimizer.local_sync.steps_since_sync.numpy()) == 0
+
+
+def _mse(weights):
+    return float(np.mean((X.astype("float64") @ weights[0] + weights[1] - Y) ** 2))
+
+
+@pytest.mark.parametrize("sync_every,kind,validation_freq", [(100, None, 1), (3, "diloco", 2)])
+def test_validation_sees_synchronised_weights(two_replicas, sync_every, kind, validation_freq):
+    """`fit` validates through `model.evaluate`, which ends the window first.
+
+    On unsynchronised weights each replica would evaluate its own copy; the
+    validation loss is the loss of the simulated synchronised weights.
+    """
+    model = fit(two_replicas, sync_every, kind, validation_data=dataset(),
+                validation_freq=validation_freq)
+    validated = [epoch for epoch in range(1, EPOCHS + 1) if epoch % validation_freq == 0]
+    want = [_mse(numpy_local_training(sync_every, kind is not None, epochs=epoch))
+            for epoch in validated]
+    np.testing.assert_allclose(model.history.history["val_loss"], want, rtol=TOLERANCE)
+    assert_weights(model, numpy_local_training(sync_every, kind is not None))
+    assert float(model.evaluate(dataset(), verbose=0)) == pytest.approx(want[-1], rel=TOLERANCE)
 
 
 @pytest.mark.parametrize("sync_every,kind,windows", [(3, None, 2), (2, "diloco", 3), (5, None, 1)])

@@ -30,6 +30,15 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         self._optimizer = optimizer
 
     def on_train_batch_end(self, batch, logs=None):
+        # Validation does not need it (fit validates through model.evaluate,
+        # which syncs first, whatever validation_freq); it gives the last
+        # batch's callbacks synchronised weights. Overriding it would turn off
+        # Keras' asynchronous batch-end dispatch for the whole fit
+        # (CallbackList._configure_async_dispatch), but Keras 3.15 never turns
+        # that on with the TensorFlow backend (IS_THREAD_SAFE is False,
+        # tensorflow/tensorflow#78338). If it ever does, remove this method
+        # rather than mark it async_safe: a collective on the callback thread
+        # would race the next train step.
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:
             self._optimizer.sync_pending()
