@@ -220,13 +220,16 @@ def count_all_reduces(strategy):
     inside a `tf.while_loop`. Only all-reduces of more than one number, in
     traced functions, are counted: each step also all-reduces single numbers
     (the distributed iterator's "replicas with data" flag, Keras' logs, the
-    loss-scale finite flag), and reading a variable synchronised on read
-    all-reduces eagerly.
+    loss-scale finite flag), and reading the metrics at the end of an epoch
+    all-reduces their variables (`tfdp.training.metric_reads`, under its
+    name scope): neither is counted.
 
     Returns:
         The counter, an int64 `tf.Variable`.
     """
     import tensorflow as tf
+
+    from tfdp.training import metric_reads
 
     counter = tf.Variable(0, dtype=tf.int64, trainable=False)
     ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
@@ -234,7 +237,8 @@ def count_all_reduces(strategy):
 
     def counting_all_reduce(reduce_op, value, replica_id, options):
         flat = tf.nest.flatten(value)
-        if tf.executing_eagerly() or sum(t.shape.num_elements() or 0 for t in flat) <= 1:
+        if (tf.executing_eagerly() or sum(t.shape.num_elements() or 0 for t in flat) <= 1
+                or metric_reads.NAME_SCOPE in tf.get_current_name_scope()):
             return all_reduce(reduce_op, value, replica_id, options)
         with tf.control_dependencies([counter.assign_add(1)]):
             flat = [tf.identity(t) for t in flat]

@@ -23,6 +23,7 @@ from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import loss_normalization as norm_lib
+from tfdp.training import metric_reads
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import step_monitor
 from tfdp.training import sync_points
@@ -260,7 +261,7 @@ def compile(  # pylint: disable=redefined-builtin
         jit_compile=jit_compile,
         **compile_kwargs,
     )
-    for name in ("train_step", "test_step") + sync_points.METHODS:
+    for name in ("train_step", "test_step") + sync_points.METHODS + metric_reads.METHODS:
         if name in vars(model):
             delattr(model, name)  # an earlier tfdp.compile's
     if tfdp_steps:
@@ -285,6 +286,8 @@ def compile(  # pylint: disable=redefined-builtin
         )
     if local_sync is not None:
         sync_points.install_fit_sync(model)
+    # One collective per metrics read in fit/evaluate, not one per variable.
+    metric_reads.install(model)
     model.tfdp_accum_steps = accum_steps
     model.tfdp_loss_normalization = loss_normalization
     return model
