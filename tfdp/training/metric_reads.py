@@ -4,7 +4,8 @@ Keras' `fit` and `evaluate` reset the model's metrics (`Model.reset_metrics`)
 at the start of every epoch and every evaluation, and read them
 (`Model.get_metrics_result`) at the end of each, eagerly, outside any
 `tf.function`. Under a multi-replica strategy every metric variable is a
-sync-on-read variable (`aggregation="sum"`), so each eager read of one is a
+sync-on-read variable (`aggregation="sum"`; keras-team/keras#21072, the fix
+of keras-team/keras#21061), so each eager read of one is a
 cross-replica reduction of its own (under `MultiWorkerMirroredStrategy` a
 collective between the workers, which TensorFlow launches through a new
 thread pool per call), and each reset is one eager assignment per variable
