@@ -171,6 +171,21 @@ def test_keras_own_methods_where_the_batched_read_does_not_apply():
     assert "get_metrics_result" not in vars(model)  # one replica: nothing to batch
 
 
+class OwnMetricsResult(keras.Sequential):
+    def get_metrics_result(self):
+        return {**super().get_metrics_result(), "own": 1.0}
+
+
+def test_a_model_class_that_overrides_the_reads_keeps_its_own():
+    strategy = tfdp.make_strategy(cpu_replicas=2)
+    with strategy.scope():
+        model = OwnMetricsResult([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+        tfdp.compile(model, optimizer="sgd", loss="binary_crossentropy")
+    assert not set(metric_reads.METHODS) & set(vars(model))
+    history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    assert history.history["own"] == [1.0]
+
+
 def test_a_second_tfdp_compile_replaces_the_installed_reads(counted):
     model, _, _ = counted
     first = model.get_metrics_result.__self__

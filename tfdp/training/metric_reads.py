@@ -25,7 +25,10 @@ over replicas, or the first replica's value). Inside a `tf.function` or a
 replica context (Keras' train and test steps call `get_metrics_result`
 there), with one replica, with metrics not built yet, or with a variable
 whose aggregation or dtype the batched read does not handle, Keras' own
-method runs.
+method runs (and a model class's own override is never replaced). One
+difference: an `only_first_replica` variable reads as replica 0 of the whole
+job on every worker, where Keras' eager read gives each worker its own first
+replica's value.
 """
 
 from __future__ import annotations
@@ -157,9 +160,12 @@ def install(model: keras.Model) -> None:
 
     Instance attributes shadow the `keras.Model` methods; Keras' `fit`,
     `evaluate` and `_get_metrics_result_or_logs` find them on the instance.
-    Nothing is installed for a one-replica strategy.
+    Nothing is installed for a one-replica strategy, nor for a model class
+    that overrides either method (its own runs).
     """
     if model.distribute_strategy.num_replicas_in_sync < 2:
+        return
+    if any(getattr(type(model), name) is not getattr(keras.Model, name) for name in METHODS):
         return
     reads = BatchedMetricReads(model)
     model.get_metrics_result = reads.get_metrics_result
