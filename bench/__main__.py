@@ -8,6 +8,7 @@ skipped case (PyTorch not installed) is not a failure.
     python -m tfdp.bench                       # full suite; not timed whole since memory (18 min alone) and time to accuracy (12 min) joined
     python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, ~15 min on 2 cores
     python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
+    python -m tfdp.bench --link 1gbit --cases communication,time_to_accuracy   # two cases only
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ _SHAPED_LINK = flags.DEFINE_string(
     "link", None, "Run every multi-worker case over a loopback shaped to this rate, e.g. "
     "100mbit or 1gbit (a network namespace with tc tbf; needs root, ip and tc). "
     "Defaults to the unshaped loopback.")
+_CASES = flags.DEFINE_list(
+    "cases", None, "Run only these cases (comma-separated: scaling, overhead, peer_torch, "
+    "communication, time_to_accuracy, accumulation, allreduce, input_pipeline, predict, "
+    "memory); the others are reported as skipped. Defaults to every case.")
 _TIMEOUT_SCALE = flags.DEFINE_float(
     "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines).")
 
@@ -60,6 +65,8 @@ def main(argv) -> None:
     for name, flag in (("steps", _STEPS), ("repeats", _REPEATS), ("rounds", _ROUNDS)):
         if flag.value is not None:
             overrides[name] = flag.value
+    if _CASES.value is not None:
+        overrides["cases"] = tuple(_CASES.value)
     try:
         config = (suite.SuiteConfig.quick_config(**overrides) if _QUICK.value
                   else suite.SuiteConfig(**overrides))

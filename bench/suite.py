@@ -86,6 +86,11 @@ class SuiteConfig:
             (`tfdp.bench.time_to_accuracy.DDP_HOOKS`).
         tta_max_epochs: epochs after which a time-to-accuracy run stops
             short of the target.
+        cases: the cases to run (names from `CASES`; every one by default).
+            The others are recorded as skipped. The CNN throughput launches
+            run when scaling, overhead, peer_torch or communication is
+            selected (they feed all four), PyTorch's plain DDP when
+            peer_torch or communication is.
     """
 
     quick: bool = False
@@ -118,8 +123,15 @@ class SuiteConfig:
     tta_methods: tuple[str, ...] = time_to_accuracy.TFDP_METHODS
     tta_hooks: tuple[str, ...] = time_to_accuracy.DDP_HOOKS
     tta_max_epochs: int = 30
+    cases: tuple[str, ...] = CASES
 
     def __post_init__(self):
+        unknown = [c for c in self.cases if c not in CASES]
+        if unknown or not self.cases:
+            raise ValueError(
+                f"`cases` must name one or more of {', '.join(CASES)}. Received: "
+                f"cases={','.join(self.cases)!r}"
+            )
         if self.link is not None:
             link_lib.check_rate(self.link)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
@@ -224,16 +236,30 @@ def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dic
         return _run_cases(config, log)
 
 
+def _not_selected(config: SuiteConfig) -> dict:
+    return {"status": "skipped",
+            "reason": f"not among the selected cases ({','.join(config.cases)})"}
+
+
 def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
     start = time.monotonic()
     results = {"machine": machine.describe(), "config": dataclasses.asdict(config)}
+    selected = set(config.cases)
+
+    def guarded(case: str, name: str, function: Callable[[], dict]) -> dict:
+        """Runs one measurement if `case` is selected; records it as skipped otherwise."""
+        return _guarded(name, function, log) if case in selected else _not_selected(config)
+
     cases: dict = {}
-    runs = _guarded("throughput (1 and 2 workers)", lambda: {"runs": throughput.run(
-        workers=(1, 2), paths=config.paths, rounds=config.rounds, threads=config.threads,
-        timeout=config.timeout(600), per_replica_batch=config.per_replica_batch,
-        steps_per_execution=config.steps_per_execution, steps=config.steps,
-        repeats=config.repeats,
-    )}, log)
+    # The CNN throughput launches feed these four cases, plain DDP the last two.
+    runs = _not_selected(config)
+    if selected & {"scaling", "overhead", "peer_torch", "communication"}:
+        runs = _guarded("throughput (1 and 2 workers)", lambda: {"runs": throughput.run(
+            workers=(1, 2), paths=config.paths, rounds=config.rounds, threads=config.threads,
+            timeout=config.timeout(600), per_replica_batch=config.per_replica_batch,
+            steps_per_execution=config.steps_per_execution, steps=config.steps,
+            repeats=config.repeats,
+        )}, log)
     if runs["status"] == "ok":
         cases["scaling"] = scaling.summarize(runs["runs"])
         cases["overhead"] = overhead.summarize(runs["runs"])
@@ -243,61 +269,76 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
             cases[name]["load_average_at_start"] = runs["load_average_at_start"]
     else:
         cases["scaling"] = cases["overhead"] = runs
-    cases["peer_torch"] = peer_torch.compare(_guarded("peer_torch", lambda: peer_torch.run(
-        workers=(1, 2), per_replica_batch=config.per_replica_batch, steps=config.steps,
-        repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
-    ), log), runs.get("runs"))
-    hooks = _guarded("communication (DDP hooks)", lambda: communication.run_ddp_hooks(
-        per_replica_batch=config.per_replica_batch, steps=config.steps,
-        repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
-    ), log)
-    cases["communication"] = communication.summarize(runs.get("runs"), cases["peer_torch"], hooks)
-    mlp = _guarded("communication (MLP, 2 workers)", lambda: {"runs": throughput.run(
-        # --quick: the two paths of the MLP target only (40 MB all-reduces are slow).
-        workers=(2,), paths=(communication.MLP_QUICK_PATHS if config.quick
-                             else communication.MLP_PATHS), rounds=1, threads=config.threads,
-        timeout=config.timeout(900), per_replica_batch=config.per_replica_batch,
-        steps_per_execution=config.steps_per_execution, steps=config.steps,
-        repeats=config.repeats, model="mlp",
-    )}, log)
-    cases["communication"]["mlp"] = (communication.summarize_mlp(mlp["runs"])
-                                     if mlp["status"] == "ok" else mlp)
-    if hooks.get("status") == "error":
-        cases["communication"]["ddp_hooks_error"] = hooks.get("error")
-    cases["time_to_accuracy"] = _guarded("time_to_accuracy", lambda: time_to_accuracy.run(
+    for name in ("scaling", "overhead"):
+        if name not in selected:
+            cases[name] = _not_selected(config)
+    plain_ddp = _not_selected(config)
+    if selected & {"peer_torch", "communication"}:
+        plain_ddp = _guarded("peer_torch", lambda: peer_torch.run(
+            workers=(1, 2), per_replica_batch=config.per_replica_batch, steps=config.steps,
+            repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
+        ), log)
+    cases["peer_torch"] = (peer_torch.compare(plain_ddp, runs.get("runs"))
+                           if "peer_torch" in selected else _not_selected(config))
+    if "communication" in selected:
+        hooks = _guarded("communication (DDP hooks)", lambda: communication.run_ddp_hooks(
+            per_replica_batch=config.per_replica_batch, steps=config.steps,
+            repeats=config.repeats, threads=config.threads, timeout=config.timeout(300),
+        ), log)
+        cases["communication"] = communication.summarize(
+            runs.get("runs"), peer_torch.compare(plain_ddp, runs.get("runs")), hooks)
+        mlp = _guarded("communication (MLP, 2 workers)", lambda: {"runs": throughput.run(
+            # --quick: the two paths of the MLP target only (40 MB all-reduces are slow).
+            workers=(2,), paths=(communication.MLP_QUICK_PATHS if config.quick
+                                 else communication.MLP_PATHS), rounds=1,
+            threads=config.threads,
+            timeout=config.timeout(900), per_replica_batch=config.per_replica_batch,
+            steps_per_execution=config.steps_per_execution, steps=config.steps,
+            repeats=config.repeats, model="mlp",
+        )}, log)
+        cases["communication"]["mlp"] = (communication.summarize_mlp(mlp["runs"])
+                                         if mlp["status"] == "ok" else mlp)
+        if hooks.get("status") == "error":
+            cases["communication"]["ddp_hooks_error"] = hooks.get("error")
+    else:
+        cases["communication"] = _not_selected(config)
+    cases["time_to_accuracy"] = guarded("time_to_accuracy", "time_to_accuracy",
+                                        lambda: time_to_accuracy.run(
         tfdp_methods=config.tta_methods, ddp_hooks=config.tta_hooks, repeats=config.repeats,
         max_epochs=config.tta_max_epochs, threads=config.threads,
         timeout=config.timeout(900),
-    ), log)
-    cases["allreduce"] = _guarded("allreduce", lambda: allreduce.run(
+    ))
+    cases["allreduce"] = guarded("allreduce", "allreduce", lambda: allreduce.run(
         nproc=2, sizes=config.all_reduce_sizes, iterations=config.all_reduce_iterations,
         link_gbytes_per_second=config.link_gbytes_per_second, threads=config.threads,
         timeout=config.timeout(300),
-    ), log)
-    cases["accumulation"] = _guarded("accumulation", lambda: accumulation.run(
+    ))
+    cases["accumulation"] = guarded("accumulation", "accumulation", lambda: accumulation.run(
         accum_steps=config.accum_steps, micro_batch=config.accum_micro_batch,
         steps=config.accum_steps_timed, repeats=config.repeats, rounds=config.accum_rounds,
         nproc=2,
         threads=config.threads, timeout=config.timeout(300),
-    ), log)
-    cases["input_pipeline"] = _guarded("input_pipeline", lambda: input_pipeline.run(
+    ))
+    cases["input_pipeline"] = guarded("input_pipeline", "input_pipeline",
+                                      lambda: input_pipeline.run(
         **dict(config.pipeline_flags), timeout=config.timeout(300),
-    ), log)
-    cases["predict"] = _guarded("predict", lambda: predict.run(
+    ))
+    cases["predict"] = guarded("predict", "predict", lambda: predict.run(
         num_examples=config.predict_examples, repeats=config.repeats,
         memory_examples=config.predict_memory_examples, threads=config.threads,
         timeout=config.timeout(600),
-    ), log)
-    cases["memory"] = _guarded("memory", lambda: memory.run(
+    ))
+    cases["memory"] = guarded("memory", "memory", lambda: memory.run(
         width=config.memory_width, warmup_steps=1 if config.quick else 2,
         steps=config.memory_steps, rounds=config.memory_rounds,
         remat_model=dict(config.memory_remat_model), allocator_launches=not config.quick,
         threads=config.threads,
         timeout=config.timeout(900),
-    ), log)
+    ))
     results["cases"] = {name: cases[name] for name in CASES}
     results["breakdown"] = (
-        scaling.breakdown(runs["runs"], cases["allreduce"]) if runs["status"] == "ok" else {}
+        scaling.breakdown(runs["runs"], cases["allreduce"])
+        if runs["status"] == "ok" and cases["allreduce"]["status"] == "ok" else {}
     )
     results["targets"] = targets.check(results["cases"])
     results["load_average_at_end"] = machine.load_average()

@@ -91,10 +91,40 @@ def test_a_failing_job_reports_its_output():
     ({"threads": 0}, "`threads` must be a positive integer"),
     ({"memory_rounds": 0}, "`memory_rounds` must be a positive integer"),
     ({"memory_steps": True}, "`memory_steps` must be a positive integer"),
+    ({"cases": ("communication", "latency")}, "`cases` must name one or more of"),
+    ({"cases": ()}, "`cases` must name one or more of"),
 ])
 def test_bad_suite_config_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         suite.SuiteConfig(**overrides)
+
+
+@pytest.mark.parametrize("selected, launched", [
+    (("time_to_accuracy",), ["time_to_accuracy"]),
+    (("communication",), ["throughput (1 and 2 workers)", "peer_torch",
+                          "communication (DDP hooks)", "communication (MLP, 2 workers)"]),
+    (("peer_torch", "allreduce"), ["throughput (1 and 2 workers)", "peer_torch", "allreduce"]),
+])
+def test_only_the_selected_cases_and_what_feeds_them_run(monkeypatch, selected, launched):
+    """`cases=`: the rest is reported skipped, and no measurement of theirs starts."""
+    started = []
+
+    def fake_guarded(name, function, log):
+        started.append(name)
+        return {"status": "error", "error": f"{name} not measured in this test"}
+
+    monkeypatch.setattr(suite, "_guarded", fake_guarded)
+    monkeypatch.setattr(suite.machine, "describe", lambda: {})
+    results = suite.run_suite(suite.SuiteConfig(cases=selected), log=lambda line: None)
+    assert started == launched
+    assert set(results["cases"]) == set(suite.CASES)
+    for name, case in results["cases"].items():
+        if name in selected:  # failed (or, with nothing measured, skipped for that reason)
+            assert "not among the selected" not in str(case.get("reason")), name
+        else:
+            assert case == {"status": "skipped",
+                            "reason": f"not among the selected cases ({','.join(selected)})"}
+    assert results["breakdown"] == {}
 
 
 def test_targets_of_cases_that_did_not_run_are_not_measured():
