@@ -25,6 +25,8 @@ from typing import Iterator, Sequence
 
 #: tc's rate syntax as the suite accepts it: a number and a unit.
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+#: tc's units, in bits per second (decimal, as tc reads them: 1mbit is 10**6 bit/s).
+_BITS_PER_UNIT = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 #: Token-bucket parameters: a burst a few packets deep, 20 ms of queue.
 _TBF = ("burst", "256kb", "latency", "20ms")
 
@@ -46,6 +48,16 @@ def check_rate(rate: str) -> str:
             f"and kbit, mbit or gbit). Received: link={rate!r}"
         )
     return rate
+
+
+def bits_per_second(rate: str) -> float:
+    """`rate` (`"100mbit"`, `"1gbit"`, ...) in bits per second.
+
+    Raises:
+        ValueError: `rate` is malformed (as `check_rate`).
+    """
+    match = _RATE.match(check_rate(rate))
+    return float(match.group(1)) * _BITS_PER_UNIT[match.group(2)]
 
 
 def why_unavailable() -> str | None:

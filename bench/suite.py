@@ -40,6 +40,8 @@ from tfdp.bench import time_to_accuracy
 
 CASES = ("scaling", "overhead", "peer_torch", "communication", "time_to_accuracy",
          "accumulation", "allreduce", "input_pipeline", "predict", "memory")
+#: The link rate the subprocess deadlines were set for (bits/s); a slower `--link` stretches them.
+LINK_DEADLINES_BITS_PER_SECOND = 1e9
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,9 +190,23 @@ class SuiteConfig:
         values.update(overrides)
         return cls(**values)
 
+    @property
+    def link_slowdown(self) -> float:
+        """How much longer the suite's launches may take over `link` than over 1 Gbit/s (≥ 1).
+
+        The deadlines were set for loopback and a 1 Gbit/s link. Over a
+        slower link the communication-bound paths slow down in proportion
+        to the rate (at 100 Mbit/s the 2-worker CNN launch, with eight paths
+        that all-reduce 1.15 MB per step, took more than its 600 s), so the
+        deadlines stretch by 1 Gbit/s ÷ the rate: 10× at `100mbit`.
+        """
+        if self.link is None:
+            return 1.0
+        return max(1.0, LINK_DEADLINES_BITS_PER_SECOND / link_lib.bits_per_second(self.link))
+
     def timeout(self, seconds: float) -> float:
-        """A subprocess deadline, scaled."""
-        return seconds * self.timeout_scale
+        """A subprocess deadline: `seconds` × `timeout_scale` × `link_slowdown`."""
+        return seconds * self.timeout_scale * self.link_slowdown
 
 
 def _guarded(name: str, function: Callable[[], dict], log: Callable[[str], None]) -> dict:

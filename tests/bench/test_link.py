@@ -75,3 +75,19 @@ def test_the_suite_says_in_one_line_when_it_cannot_shape(tmp_path):
     assert lines[0].startswith("[tfdp.bench] --link=100mbit: cannot shape the link: ")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rate, bits", [("512kbit", 512e3), ("10mbit", 10e6), ("100mbit", 100e6),
+                                        ("1gbit", 1e9), ("2.5gbit", 2.5e9)])
+def test_rates_in_bits_per_second_as_tc_reads_them(rate, bits):
+    assert link.bits_per_second(rate) == bits
+
+
+def test_a_slower_link_stretches_every_deadline_in_proportion():
+    # Over 100mbit the 2-worker CNN launch outlived its 600 s deadline: the
+    # all-reducing paths slow by the link's rate, so the deadlines must too.
+    assert suite.SuiteConfig().timeout(600) == 600
+    assert suite.SuiteConfig(link="1gbit").timeout(600) == 600
+    assert suite.SuiteConfig(link="10gbit").timeout(600) == 600  # never shorter
+    assert suite.SuiteConfig(link="100mbit").timeout(600) == pytest.approx(6000)
+    assert suite.SuiteConfig(link="10mbit", timeout_scale=2).timeout(300) == pytest.approx(60000)
