@@ -11,15 +11,42 @@ import os
 import platform
 
 
+def _vector_isa(flags: set[str]) -> str:
+    """The widest vector and matrix instructions in `flags` (`/proc/cpuinfo`), e.g. "AVX-512, AMX"."""
+    if "avx512f" in flags:
+        found = ["AVX-512" + (" with BF16" if "avx512_bf16" in flags else "")]
+    elif "avx2" in flags:
+        found = ["AVX2"]
+    else:
+        found = []
+    if "amx_tile" in flags:
+        found.append("AMX")
+    return ", ".join(found)
+
+
 def _cpu_model() -> str:
+    """The CPU's model name, with its family, model and vector ISA.
+
+    Cloud VMs often report only "AMD EPYC" or "Intel Xeon Processor": the
+    family (AMD 23 is Zen 1-2, 25 Zen 3-4, 26 Zen 5) and the vector
+    instructions tell machines apart whose timings differ several-fold.
+    """
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    details = [f"family {fields['cpu family']} model {fields['model']}"
+               if "cpu family" in fields and "model" in fields else "",
+               _vector_isa(set(fields.get("flags", "").split()))]
+    details = "; ".join(d for d in details if d)
+    return f"{name} ({details})" if details else name
 
 
 def _memory_gib() -> float | None:
