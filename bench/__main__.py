@@ -2,8 +2,9 @@
 
 Reads flags, builds a `SuiteConfig`, runs `tfdp.bench.suite.run_suite` and
 writes `results.json`, `results.md` and `results.png` into `--out_dir`.
-Exits 1 when a case failed (its error is in the files), 0 otherwise; a
-skipped case (PyTorch not installed) is not a failure.
+Exits 1 when a case failed, or a launch that some of its rows need (the
+case's other rows are still reported), with the error in the files; 0
+otherwise. A skipped case (PyTorch not installed) is not a failure.
 
     python -m tfdp.bench                       # full suite; not timed whole since memory (18 min alone) and time to accuracy (12 min) joined
     python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, ~15 min on 2 cores
@@ -84,7 +85,7 @@ def main(argv) -> None:
     paths = report.write(results, _OUT_DIR.value)
     print(report.markdown(results))
     print(f"[tfdp.bench] wrote {', '.join(paths.values())}")
-    failed = [name for name, case in results["cases"].items() if case["status"] == "error"]
+    failed = suite.failed_cases(results)
     if failed:
         print(f"[tfdp.bench] failed cases: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)

@@ -194,8 +194,10 @@ def _communication(case) -> list[str]:
                          f"{_f(r['examples_per_second'])} "
                          f"({_f(r['median_examples_per_second'])}) | {r['bytes_per_step']:,} | "
                          f"{_f(r['vs_plain'], 2)} |")
-    elif mlp:
+    elif mlp and "MLP launch" not in case.get("failed_parts", {}):
         lines += ["", f"MLP launch: {mlp.get('status')}: {mlp.get('error') or mlp.get('reason')}"]
+    for part, error in case.get("failed_parts", {}).items():
+        lines += ["", f"**{part} failed** (their rows are missing): {error}"]
     return lines
 
 

@@ -252,6 +252,12 @@ def run_suite(config: SuiteConfig, *, log: Callable[[str], None] = print) -> dic
         return _run_cases(config, log)
 
 
+def failed_cases(results: dict) -> list[str]:
+    """The cases of `run_suite`'s results that failed, whole or in a launch some rows need."""
+    return [name for name, case in results["cases"].items()
+            if case["status"] == "error" or case.get("failed_parts")]
+
+
 def _not_selected(config: SuiteConfig) -> dict:
     return {"status": "skipped",
             "reason": f"not among the selected cases ({','.join(config.cases)})"}
@@ -314,8 +320,13 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
         )}, log)
         cases["communication"]["mlp"] = (communication.summarize_mlp(mlp["runs"])
                                          if mlp["status"] == "ok" else mlp)
-        if hooks.get("status") == "error":
-            cases["communication"]["ddp_hooks_error"] = hooks.get("error")
+        # A launch the case needs that failed fails the case (the exit status
+        # says so), while the rows that were measured are still reported.
+        failed_parts = {part: result.get("error") for part, result in (
+            ("CNN throughput launches", runs), ("plain DDP launches", plain_ddp),
+            ("DDP hook launches", hooks), ("MLP launch", mlp)) if result.get("status") == "error"}
+        if failed_parts:
+            cases["communication"]["failed_parts"] = failed_parts
     else:
         cases["communication"] = _not_selected(config)
     cases["time_to_accuracy"] = guarded("time_to_accuracy", "time_to_accuracy",

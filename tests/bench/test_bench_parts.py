@@ -127,6 +127,33 @@ def test_only_the_selected_cases_and_what_feeds_them_run(monkeypatch, selected, 
     assert results["breakdown"] == {}
 
 
+def test_a_failed_launch_fails_the_communication_case_and_keeps_its_other_rows(monkeypatch):
+    """Over 100mbit the CNN and MLP launches outlived their deadlines: the run must say so."""
+    ddp = {"images_per_second": 100.0, "median_images_per_second": 90.0}
+
+    def fake_guarded(name, function, log):
+        if name == "peer_torch":
+            return {"status": "ok", "workers": {"1": ddp, "2": ddp}}
+        if name == "communication (DDP hooks)":
+            return {"status": "ok", "rows": {"fp16": ddp, "powersgd": ddp}}
+        return {"status": "error", "error": f"{name} did not finish within 600 s"}
+
+    monkeypatch.setattr(suite, "_guarded", fake_guarded)
+    results = suite.run_suite(suite.SuiteConfig(cases=("communication",)), log=lambda line: None)
+    case = results["cases"]["communication"]
+    assert [r["path"] for r in case["rows"]] == ["none", "fp16", "powersgd"]
+    assert case["failed_parts"] == {
+        "CNN throughput launches": "throughput (1 and 2 workers) did not finish within 600 s",
+        "MLP launch": "communication (MLP, 2 workers) did not finish within 600 s"}
+    assert suite.failed_cases(results) == ["communication"]
+    text = report.markdown(results)
+    assert "**CNN throughput launches failed** (their rows are missing): throughput" in text
+    assert text.count("did not finish within 600 s") == 2
+    assert "`powerSGD_hook`" in text
+    case.pop("failed_parts")
+    assert suite.failed_cases(results) == []
+
+
 def test_targets_of_cases_that_did_not_run_are_not_measured():
     rows = targets.check({name: {"status": "error", "error": "x"} for name in suite.CASES})
     assert [r["met"] for r in rows] == [None] * len(targets.TARGETS)
