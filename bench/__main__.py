@@ -47,8 +47,8 @@ _CASES = flags.DEFINE_list(
     "communication, time_to_accuracy, accumulation, allreduce, input_pipeline, predict, "
     "memory); the others are reported as skipped. Defaults to every case.")
 _TIMEOUT_SCALE = flags.DEFINE_float(
-    "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines). A --link slower than "
-    "1gbit already stretches them by 1 Gbit/s ÷ its rate (10x at 100mbit).")
+    "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines). "
+    "A --link slower than 1gbit already stretches them by 1 Gbit/s ÷ its rate (10x at 100mbit).")
 
 
 def main(argv) -> None:
