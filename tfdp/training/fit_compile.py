@@ -6,7 +6,8 @@ model: the loss of the global batch as one device computes it
 all-reduce per global batch (`tfdp.training.accumulation`), non-finite steps
 skipped on every replica alike (`tfdp.training.nonfinite`), and with
 `steps_per_execution > 1` logs reduced once per execution
-(`tfdp._upstream.keras_train_function`).
+(`tfdp._upstream.keras_train_function`). Its `fit` keeps full garbage
+collections from stalling the workers (`tfdp.training.gc_freeze`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tfdp.distribute import compression
 from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import strategy_info as strategy_info_lib
+from tfdp.training import gc_freeze
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import metric_reads
 from tfdp.training import nonfinite as nonfinite_lib
@@ -286,6 +288,8 @@ def compile(  # pylint: disable=redefined-builtin
         )
     if local_sync is not None:
         sync_points.install_fit_sync(model)
+    # Full garbage collections would stall every worker in turn (see gc_freeze).
+    model.fit = functools.partial(gc_freeze.fit_with_frozen_heap, model.fit)
     # One collective per metrics read in fit/evaluate, not one per variable.
     metric_reads.install(model)
     model.tfdp_accum_steps = accum_steps

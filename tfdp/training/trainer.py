@@ -41,6 +41,7 @@ from absl import logging
 
 from tfdp import _checks
 from tfdp.training import checkpointing
+from tfdp.training import gc_freeze
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_state
@@ -288,6 +289,8 @@ class Trainer:
         self._checkpoints = None
         self._last_saved_step = None
         self._summary_writer = None
+        # Full garbage collections would stall every worker in turn (see gc_freeze).
+        self._heap = gc_freeze.FrozenHeap()
         self._epoch_position: dict[str, tf.Variable] | None = None
         if model_dir is not None:
             self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
@@ -422,12 +425,14 @@ class Trainer:
 
         watcher = self._start_watching_sigterm()
         try:
+            self._heap.start()
             if until_end:
                 logs = self._train_epochs_until_end(dataset_for_epoch, global_step, total_steps)
             else:
                 logs = self._train_steps(
                     dataset_for_epoch, global_step, total_steps, steps_per_epoch)
         finally:
+            self._heap.stop()
             if watcher is not None:
                 watcher.stop()
         return logs
@@ -480,6 +485,7 @@ class Trainer:
                 self.train_loop_end()
                 if ran:
                     logs = self._results(self._steps.train_loss, self._steps.train_metrics)
+                    self._heap.mark("train")  # what the first call traced
                     elapsed = time.perf_counter() - loop_start
                     global_step += ran
                     ran_this_epoch += ran
@@ -539,6 +545,7 @@ class Trainer:
                     self._sync_pending()  # an epoch's last steps end a local window
                 self.train_loop_end()
                 logs = self._results(self._steps.train_loss, self._steps.train_metrics)  # syncs
+                self._heap.mark("train")  # what the first call traced
                 elapsed = time.perf_counter() - loop_start
                 offset += num
                 global_step += num
