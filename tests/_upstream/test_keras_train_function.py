@@ -1,8 +1,9 @@
-"""Pins tfdp._upstream.keras_train_function to Keras' own multi-step train function.
+"""Pins tfdp._upstream.keras_train_function to Keras' own multi-step train and test functions.
 
-tfdp.compile(steps_per_execution=N > 1) replaces Keras' train function with
-one that reduces the logs once per execution; weights, logs and the end of
-the data must be exactly what Keras' own function gives.
+tfdp.compile(steps_per_execution=N > 1) replaces Keras' train and test
+functions with ones that reduce the logs once per execution; weights, logs
+(validation and `evaluate` included) and the end of the data must be
+exactly what Keras' own functions give.
 """
 
 import inspect
@@ -43,7 +44,8 @@ def _fit(strategy, use_tfdp, **compile_kwargs):
     callback = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: batch_logs.append(
             (batch, {k: float(v) for k, v in logs.items()})))
-    history = model.fit(_dataset(), epochs=2, verbose=0, callbacks=[callback], shuffle=False)
+    history = model.fit(_dataset(), epochs=2, verbose=0, callbacks=[callback], shuffle=False,
+                        validation_data=_dataset().take(BATCHES - 2))
     return model, history.history, batch_logs
 
 
@@ -57,13 +59,20 @@ def test_matches_keras_own_train_function(replicas, accum_steps):
     # Keras' own function with tfdp's step: only the train function differs.
     keras_model, keras_history, keras_batches = _fit(strategy(), use_tfdp=False)
     model, history, batches = _fit(strategy(), use_tfdp=True, accum_steps=accum_steps)
-    assert "make_train_function" in vars(model)
+    assert "make_train_function" in vars(model) and "make_test_function" in vars(model)
     assert int(model.optimizer.iterations.numpy()) == 2 * BATCHES
     if accum_steps == 1:
         for want, got in zip(keras_model.weights, model.weights):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
-        for key in ("loss", "accuracy"):
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
             np.testing.assert_allclose(history[key], keras_history[key], rtol=1e-6)
+        # evaluate: 7 batches in executions of 3, 3, 1, and a `steps` bound.
+        for steps in (None, 2):
+            want = keras_model.evaluate(_dataset(), steps=steps, verbose=0, return_dict=True)
+            got = model.evaluate(_dataset(), steps=steps, verbose=0, return_dict=True)
+            assert set(got) == set(want)
+            for key in want:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
         assert [b for b, _ in batches] == [b for b, _ in keras_batches]
         for (_, got), (_, want) in zip(batches, keras_batches):
             for key in want:
@@ -95,13 +104,26 @@ def test_steps_are_not_converted_by_autograph_as_in_keras_own_function(monkeypat
     assert set(files) == {__file__}, files
 
 
-def test_train_on_batch_still_works():
+def test_train_on_batch_and_test_on_batch_still_work():
     model = _model()
     tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
-    logs = model.train_on_batch(np.zeros((BATCH, 4), "float32"), np.zeros((BATCH, 3), "float32"),
-                                return_dict=True)
+    x, y = np.zeros((BATCH, 4), "float32"), np.ones((BATCH, 3), "float32")
+    logs = model.train_on_batch(x, y, return_dict=True)
     assert set(logs) == {"loss"}
     assert int(model.optimizer.iterations.numpy()) == 1
+    logs = model.test_on_batch(x, y, return_dict=True)
+    want = float(np.mean((model.predict_on_batch(x) - y) ** 2))
+    np.testing.assert_allclose(logs["loss"], want, rtol=1e-6)
+
+
+def test_evaluate_of_an_empty_dataset_runs_no_step_as_keras_does():
+    empty = _dataset().take(0).map(lambda x, y: (x, tf.one_hot(y, 3)))
+    for compile_fn in (tfdp.compile, keras.Model.compile):
+        model = _model()
+        compile_fn(model, optimizer="sgd", loss="mse", steps_per_execution=3)
+        assert ("make_test_function" in vars(model)) == (compile_fn is tfdp.compile)
+        with pytest.warns(UserWarning, match="ran out of data"):
+            assert model.evaluate(empty, verbose=0, return_dict=True) == {}
 
 
 class _CustomStep(keras.Sequential):
@@ -109,16 +131,30 @@ class _CustomStep(keras.Sequential):
         return {"custom": tf.constant(1.0)}
 
 
+class _CustomTestStep(keras.Sequential):
+    def test_step(self, data):
+        return {"custom": tf.constant(2.0)}
+
+
 def test_only_where_the_step_returns_the_metrics_and_several_steps_run():
     custom = _CustomStep([keras.Input((4,)), keras.layers.Dense(3)])
     tfdp.compile(custom, optimizer="sgd", loss="mse", steps_per_execution=3,
                  loss_normalization="per_replica")
     assert "make_train_function" not in vars(custom)  # its logs are its own
+    assert "make_test_function" in vars(custom)
+    custom_test = _CustomTestStep([keras.Input((4,)), keras.layers.Dense(3)])
+    tfdp.compile(custom_test, optimizer="sgd", loss="mse", steps_per_execution=3,
+                 loss_normalization="per_replica")
+    assert "make_train_function" in vars(custom_test)
+    assert "make_test_function" not in vars(custom_test)
+    data = _dataset().map(lambda x, y: (x, tf.one_hot(y, 3)))
+    assert custom_test.evaluate(data, verbose=0, return_dict=True) == {"custom": 2.0}
     model = _model()
     tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
-    assert "make_train_function" in vars(model)
+    assert "make_train_function" in vars(model) and "make_test_function" in vars(model)
     tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=1)
     assert "make_train_function" not in vars(model)
+    assert "make_test_function" not in vars(model)
     assert not keras_train_function.install(model)
 
 
@@ -131,6 +167,7 @@ def test_outside_the_known_keras_range_keras_own_function_stays_with_one_warning
     with pytest.warns(RuntimeWarning, match=r"Keras 3\.99\.0 is outside.*keras<=3\.15"):
         tfdp.compile(model, optimizer="sgd", loss="mse", steps_per_execution=3)
     assert "make_train_function" not in vars(model)
+    assert "make_test_function" not in vars(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         tfdp.compile(_model(), optimizer="sgd", loss="mse", steps_per_execution=3)

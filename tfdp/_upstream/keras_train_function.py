@@ -1,4 +1,4 @@
-"""Keras 3's multi-step train function, with the logs reduced once per execution.
+"""Keras 3's multi-step train and test functions, with the logs reduced once per execution.
 
 With `steps_per_execution=N > 1`, Keras' TensorFlow trainer
 (`TensorFlowTrainer._make_function`, keras/src/backend/tensorflow/trainer.py,
@@ -10,25 +10,28 @@ one device that is a few small ops per step; under
 MultiWorkerMirroredStrategy each log value becomes a cross-worker all-reduce
 per step, a round trip of ≈2 ms on loopback for every metric, every step
 (measured by `python -m tfdp.bench`, case "overhead", paths `keras_fit_n`
-and `tfdp_fit`).
+and `tfdp_fit`). `evaluate` (and `fit`'s validation) runs the same loop
+over the test step, with the same cost per evaluation step.
 
-`make_train_function` builds the same loop (same input handling: an
-`Optional` per step, stop at the end of the data, `StopIteration` when an
-execution ran no step) whose steps return nothing, and reads the logs once,
-after the loop, from the metrics (`model.get_metrics_result()` in replica
-context, reduced as Keras does). For a train step that returns
-`get_metrics_result()` — Keras' own and tfdp's accumulating step — those are
-the very logs the last step would have returned. Models whose class
-overrides `train_step` keep Keras' function (`applies_to`).
+`make_train_function` and `make_test_function` build the same loop (same
+input handling: an `Optional` per step, stop at the end of the data,
+`StopIteration` when an execution ran no step) whose steps return nothing,
+and read the logs once, after the loop, from the metrics
+(`model.get_metrics_result()` in replica context, reduced as Keras does).
+For a step that returns `get_metrics_result()` — Keras' own train and test
+steps and tfdp's — those are the very logs the last step would have
+returned. The loop also traces in less time than Keras' (no `Optional` of
+the logs, no `tf.cond` around each step). Models whose class overrides
+`train_step` (or `test_step`) keep Keras' function for it (`applies_to`).
 
 Private Keras members touched: `_make_function`, `_autoconvert_optionals`,
 `steps_per_execution`, and `reduce_per_replica` of the trainer module.
 `tests/_upstream/test_keras_train_function.py` checks that weights and
-logged metrics match Keras' own function, so a Keras change that breaks this
-copy fails there first.
+logged metrics match Keras' own functions, so a Keras change that breaks
+this copy fails there first.
 
 Version gate: outside `KNOWN_KERAS_RANGE`, `install` leaves Keras' own
-function in place (exact, only slower: a cross-replica reduction per metric
+functions in place (exact, only slower: a cross-replica reduction per metric
 per step) and warns once, naming the version and the cost.
 """
 
@@ -64,52 +67,35 @@ def _warn_unsupported_once() -> None:
     warnings.warn(
         f"tfdp: Keras {keras.__version__} is outside the versions "
         f"tfdp/_upstream/keras_train_function.py was written for ({low[0]}.{low[1]} to "
-        f"{high[0]}.{high[1]}), so model.fit with steps_per_execution > 1 keeps Keras' own "
-        f"train function: exact, but each step reduces every logged metric across replicas "
+        f"{high[0]}.{high[1]}), so model.fit and evaluate with steps_per_execution > 1 keep "
+        f"Keras' own functions: exact, but each step reduces every logged metric across replicas "
         f"(one cross-worker all-reduce per metric per step on MultiWorkerMirroredStrategy). "
         f"Install keras<={high[0]}.{high[1]} to avoid that cost.",
         RuntimeWarning, stacklevel=3)
 
 
-def applies_to(model: keras.Model, *, tfdp_step: bool = False) -> bool:
-    """Whether `model`'s train step returns its metrics' results (so logs can wait).
+def applies_to(model: keras.Model, *, tfdp_step: bool = False, step: str = "train_step") -> bool:
+    """Whether `model`'s `step` returns its metrics' results (so logs can wait).
 
     Args:
         model: a compiled Keras model.
-        tfdp_step: the model runs tfdp's accumulating step (an instance
-            attribute set by `tfdp.compile`), which returns them.
+        tfdp_step: an instance attribute `step` is tfdp's step (set by
+            `tfdp.compile`), which returns them.
+        step: `"train_step"` or `"test_step"`.
 
     Returns:
-        True for tfdp's step, or for Keras' own `train_step` (the model's
-        class does not override it and no instance attribute replaces it).
+        True for tfdp's step, or for Keras' own step (the model's class does
+        not override it and no other instance attribute replaces it).
     """
-    if tfdp_step:
-        return True
-    return ("train_step" not in vars(model)
-            and type(model).train_step is _keras_tf_trainer.TensorFlowTrainer.train_step)
+    if step in vars(model):
+        return tfdp_step
+    return getattr(type(model), step) is getattr(_keras_tf_trainer.TensorFlowTrainer, step)
 
 
-def make_train_function(model: keras.Model, force: bool = False):
-    """`model.make_train_function` with one log reduction per execution.
-
-    Install it with `model.make_train_function = functools.partial(
-    make_train_function, model)` after `model.compile(steps_per_execution=N)`;
-    Keras' `fit` then calls it as its own.
-
-    Args:
-        model: a compiled Keras model for which `applies_to` holds.
-        force: rebuild even if a train function exists. Defaults to False.
-
-    Returns:
-        The train function (also stored as `model.train_function`): it takes
-        an iterator, runs up to `steps_per_execution` steps, and returns the
-        logs after the last one; `StopIteration` when the iterator is empty.
-    """
-    if model.train_function is not None and not force:
-        return model.train_function
+def _make_function(model: keras.Model, step_function):
+    """The multi-step function over `step_function` (see the module docstring)."""
     strategy = model.distribute_strategy
     steps_per_execution = model.steps_per_execution
-    step_function = model.train_step
 
     # Not converted by AutoGraph, as Keras' own function is not
     # (`do_not_convert` in `_make_function`): the loop below is written with
@@ -158,34 +144,80 @@ def make_train_function(model: keras.Model, force: bool = False):
             if int(steps_run) == 0:
                 raise StopIteration
             return logs
-        # Python iterators (train_on_batch): Keras' own per-step function.
+        # Python iterators (train_on_batch, test_on_batch): Keras' own per-step function.
         if keras_function is None:
             keras_function = model._make_function(step_function)
         return keras_function(iterator)
 
-    model.train_function = function
     return function
 
 
+def make_train_function(model: keras.Model, force: bool = False):
+    """`model.make_train_function` with one log reduction per execution.
+
+    Install it with `model.make_train_function = functools.partial(
+    make_train_function, model)` after `model.compile(steps_per_execution=N)`;
+    Keras' `fit` then calls it as its own.
+
+    Args:
+        model: a compiled Keras model for which `applies_to` holds.
+        force: rebuild even if a train function exists. Defaults to False.
+
+    Returns:
+        The train function (also stored as `model.train_function`): it takes
+        an iterator, runs up to `steps_per_execution` steps, and returns the
+        logs after the last one; `StopIteration` when the iterator is empty.
+    """
+    if model.train_function is not None and not force:
+        return model.train_function
+    model.train_function = _make_function(model, model.train_step)
+    return model.train_function
+
+
+def make_test_function(model: keras.Model, force: bool = False):
+    """`model.make_test_function` with one log reduction per execution.
+
+    As `make_train_function`, for `model.evaluate` and `fit`'s validation
+    (`applies_to(model, step="test_step")` must hold).
+
+    Returns:
+        The test function (also stored as `model.test_function`).
+    """
+    if model.test_function is not None and not force:
+        return model.test_function
+    model.test_function = _make_function(model, model.test_step)
+    return model.test_function
+
+
+#: `keras.Model` method -> (the step it runs, tfdp's replacement).
+_FUNCTIONS = {"make_train_function": ("train_step", make_train_function),
+              "make_test_function": ("test_step", make_test_function)}
+
+
 def install(model: keras.Model, *, tfdp_step: bool = False) -> bool:
-    """Makes `model.fit` use `make_train_function` where it applies.
+    """Makes `model.fit` and `model.evaluate` use tfdp's functions where they apply.
 
     Args:
         model: a model just compiled (by `tfdp.compile`).
         tfdp_step: see `applies_to`.
 
     Returns:
-        True if installed: `steps_per_execution > 1`, `applies_to(model)` and
-        a Keras in `KNOWN_KERAS_RANGE` (else a warning, once); otherwise any
-        earlier installation is removed and False is returned.
+        True if the train function was installed: `steps_per_execution > 1`,
+        `applies_to(model)` and a Keras in `KNOWN_KERAS_RANGE` (else a
+        warning, once). The test function is installed on the same terms,
+        with `applies_to(model, step="test_step")`. Any earlier
+        installation that no longer applies is removed.
     """
-    wanted = model.steps_per_execution > 1 and applies_to(model, tfdp_step=tfdp_step)
-    if wanted and not is_supported():
-        _warn_unsupported_once()
-        wanted = False
-    if wanted:
-        model.make_train_function = functools.partial(make_train_function, model)
-        return True
-    if "make_train_function" in vars(model):
-        del model.make_train_function
-    return False
+    installed = {}
+    for method, (step, replacement) in _FUNCTIONS.items():
+        wanted = model.steps_per_execution > 1 and applies_to(
+            model, tfdp_step=tfdp_step, step=step)
+        if wanted and not is_supported():
+            _warn_unsupported_once()
+            wanted = False
+        if wanted:
+            setattr(model, method, functools.partial(replacement, model))
+        elif method in vars(model):
+            delattr(model, method)
+        installed[method] = wanted
+    return installed["make_train_function"]

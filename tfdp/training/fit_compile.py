@@ -133,7 +133,8 @@ def compile(  # pylint: disable=redefined-builtin
     float32 scalars per step (`tfdp.training.loss_normalization`). A loss
     function that returns one scalar is weighted by its examples, with a
     warning. `"per_replica"` averages each replica's own mean, as stock
-    Keras does for `Loss` objects.
+    Keras does for `Loss` objects. A model class that overrides `test_step`
+    keeps it: `evaluate` runs it as written.
 
     **Non-finite steps.** With `nonfinite="skip"` (the default) the optimizer
     is wrapped (`tfdp.training.nonfinite.NonFiniteGuard`, or
@@ -276,10 +277,11 @@ def compile(  # pylint: disable=redefined-builtin
                                            local_sync is not None),
             accum_steps,
         )
-        model.test_step = functools.partial(
-            fit_test_step, model, norm_lib.Normalizer(loss_normalization, num_replicas, 1)
-        )
-    # steps_per_execution > 1: reduce the logs once per execution, not per step.
+        if not _overrides(model, "test_step"):  # a class's own test_step runs as written
+            model.test_step = functools.partial(
+                fit_test_step, model, norm_lib.Normalizer(loss_normalization, num_replicas, 1)
+            )
+    # steps_per_execution > 1: fit and evaluate reduce the logs once per execution, not per step.
     keras_train_function.install(model, tfdp_step=tfdp_steps)
     if nonfinite_lib.guard_of(model.optimizer) is not None:
         # After every execution: log skips, stop at the limit.
