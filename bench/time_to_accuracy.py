@@ -255,6 +255,9 @@ def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, repeats: int = 1,
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"`repeats` must be a positive integer. Received: repeats={repeats!r}")
     ddp_skipped = peer_torch.torch_missing_reason()
+    # The worker limits TensorFlow's pools from the spec it is given, before
+    # the job merges `_DEFAULTS`: pass the thread count DDP gets explicitly.
+    spec = {"threads": _DEFAULTS["threads"], **spec}
     runs = []
     with tempfile.TemporaryDirectory(prefix="tfdp-tta-") as directory:
         data = os.path.join(directory, "digits.npz")

@@ -533,3 +533,23 @@ def test_remat_memory_job_trains_the_transformer(remat):
     assert result["remat"] is remat and len(result["step_seconds"]) == 2
     assert worker["weight_bytes"] == 4 * result["parameters"]
     assert worker["optimizer_state_bytes"] >= 2 * worker["weight_bytes"]  # Adam's m and v
+
+
+def test_time_to_accuracy_gives_both_peers_the_same_threads(monkeypatch, tmp_path):
+    """The worker limits TensorFlow's pools from the spec it is given, so tfdp's needs them."""
+    from tfdp.bench import time_to_accuracy
+
+    specs = []
+
+    def fake_run_job(job, spec, *, nproc, timeout):
+        specs.append((job, dict(spec)))
+        return _tta_run("tfdp" if job.endswith("tfdp") else "PyTorch DDP", "m", [1.0], [0.96])
+
+    monkeypatch.setattr(procs, "run_job", fake_run_job)
+    monkeypatch.setattr(time_to_accuracy, "write_digits", lambda path: None)
+    monkeypatch.setattr(peer_torch, "torch_missing_reason", lambda: None)
+    time_to_accuracy.run(tfdp_methods=["plain"], ddp_hooks=["none"])
+    time_to_accuracy.run(tfdp_methods=["plain"], ddp_hooks=["none"], threads=2)
+    assert [(job, spec["threads"]) for job, spec in specs] == [
+        ("time_to_accuracy_tfdp", 1), ("time_to_accuracy_torch", 1),
+        ("time_to_accuracy_tfdp", 2), ("time_to_accuracy_torch", 2)]
