@@ -153,6 +153,28 @@ def test_fit_leaves_a_disabled_collector_alone():
     assert not gc.isenabled()
 
 
+@pytest.mark.parametrize("sync_every", [1, 2])
+def test_evaluate_and_predict_run_frozen_and_give_everything_back(sync_every):
+    model = _compiled(sync_every)
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_test_batch_end=lambda batch, logs: seen.append(("test", gc.get_freeze_count())),
+        on_predict_batch_end=lambda batch, logs: seen.append(("predict", gc.get_freeze_count())))
+    walked_before = len(gc.get_objects())
+    logs = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, callbacks=[record],
+                          return_dict=True)
+    assert set(logs) == {"loss", "mae"}
+    assert model.predict(X, batch_size=GLOBAL_BATCH, verbose=0, callbacks=[record]).shape == (
+        len(X), 1)
+    assert {what for what, _ in seen} == {"test", "predict"}
+    assert min(frozen for _, frozen in seen) > walked_before // 2
+    assert gc.get_freeze_count() == 0
+    # Recompiling replaces tfdp's wrappers rather than stacking them.
+    tfdp.compile(model, optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert model.evaluate.args[0].__self__ is model  # wraps Model.evaluate itself
+    assert model.fit.args[0].__self__ is model
+
+
 def test_trainer_freezes_while_training_and_after_its_first_call():
     strategy = tfdp.make_strategy(cpu_replicas=2)
     with strategy.scope():

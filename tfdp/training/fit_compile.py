@@ -264,7 +264,8 @@ def compile(  # pylint: disable=redefined-builtin
         jit_compile=jit_compile,
         **compile_kwargs,
     )
-    for name in ("train_step", "test_step") + sync_points.METHODS + metric_reads.METHODS:
+    for name in (("train_step", "test_step") + sync_points.METHODS + metric_reads.METHODS
+                 + gc_freeze.METHODS):
         if name in vars(model):
             delattr(model, name)  # an earlier tfdp.compile's
     if tfdp_steps:
@@ -292,6 +293,9 @@ def compile(  # pylint: disable=redefined-builtin
         sync_points.install_fit_sync(model)
     # Full garbage collections would stall every worker in turn (see gc_freeze).
     model.fit = functools.partial(gc_freeze.fit_with_frozen_heap, model.fit)
+    for name in gc_freeze.CALL_METHODS:
+        setattr(model, name, functools.partial(gc_freeze.call_with_frozen_heap,
+                                               getattr(model, name)))
     # One collective per metrics read in fit/evaluate, not one per variable.
     metric_reads.install(model)
     model.tfdp_accum_steps = accum_steps

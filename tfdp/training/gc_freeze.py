@@ -28,7 +28,9 @@ collection is disabled (`gc.disable()`) or something is frozen already
 does nothing at all.
 
 `FreezeHeapDuringFit` is the Keras callback `tfdp.compile` puts first in
-every `model.fit`; `tfdp.Trainer.train` uses `FrozenHeap` itself.
+every `model.fit`; its `evaluate` and `predict` run inside a `FrozenHeap`
+(`call_with_frozen_heap`; within `fit` the heap is frozen already, so
+validation changes nothing); `tfdp.Trainer.train` uses `FrozenHeap` itself.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ import gc
 import inspect
 
 import keras
+
+
+#: The `keras.Model` methods `tfdp.compile` runs inside a `FrozenHeap` as a whole.
+CALL_METHODS = ("evaluate", "predict")
+#: Every `keras.Model` method `tfdp.compile` shadows for this module.
+METHODS = ("fit",) + CALL_METHODS
 
 
 class FrozenHeap:
@@ -125,3 +133,9 @@ def fit_with_frozen_heap(fit, *args, **kwargs):
         return fit(*args, **kwargs)
     finally:
         freezer.heap.stop()
+
+
+def call_with_frozen_heap(function, *args, **kwargs):
+    """`function(*args, **kwargs)` (e.g. `Model.evaluate`) inside a `FrozenHeap`."""
+    with FrozenHeap():
+        return function(*args, **kwargs)
