@@ -124,6 +124,10 @@ def _shard_files(output_dir):
     files = {}
     entries = output_dir / "entries"
     for name in os.listdir(entries) if entries.exists() else []:
+        if not name.endswith(".json"):
+            # An entry's temporary file (`00009.json.tmp-PID-...`, renamed when
+            # whole): a worker killed before the rename has not completed it.
+            continue
         try:
             entry = json.loads((entries / name).read_text())
             stat = os.stat(output_dir / entry["file"])
