@@ -535,7 +535,7 @@ def test_remat_memory_job_trains_the_transformer(remat):
     assert worker["optimizer_state_bytes"] >= 2 * worker["weight_bytes"]  # Adam's m and v
 
 
-def test_time_to_accuracy_gives_both_peers_the_same_threads(monkeypatch, tmp_path):
+def test_time_to_accuracy_gives_both_peers_the_same_threads(monkeypatch):
     """The worker limits TensorFlow's pools from the spec it is given, so tfdp's needs them."""
     from tfdp.bench import time_to_accuracy
 
