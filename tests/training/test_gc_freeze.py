@@ -131,6 +131,23 @@ def test_fit_takes_callbacks_by_position_under_every_wrapper():
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.parametrize("form", ["callback", "nested", "tuple", "CallbackList"])
+def test_fit_takes_callbacks_in_every_form_keras_takes(form):
+    # Keras flattens callbacks=... (a bare callback, nested lists) or uses a
+    # CallbackList as it is; tfdp's wrappers put their own callback first in each.
+    for sync_every in (1, 2):
+        model = _compiled(sync_every)
+        observe = _Observe()
+        callbacks = {"callback": observe, "nested": [[observe]], "tuple": (observe,),
+                     "CallbackList": keras.callbacks.CallbackList([observe], add_history=True,
+                                                                  model=model)}[form]
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=callbacks)
+        assert len(observe.frozen) == 2 and min(observe.frozen) > 0, (form, sync_every)
+        if form == "CallbackList":
+            assert len(callbacks.callbacks) == 2  # the user's list is left as it was
+    assert gc.get_freeze_count() == 0
+
+
 def test_fit_unfreezes_when_it_raises():
     model = _compiled()
 

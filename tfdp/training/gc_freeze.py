@@ -40,6 +40,8 @@ import inspect
 
 import keras
 
+from tfdp.training.callback_order import with_callback_first
+
 
 #: The `keras.Model` methods `tfdp.compile` runs inside a `FrozenHeap` as a whole.
 CALL_METHODS = ("evaluate", "predict")
@@ -128,7 +130,7 @@ def fit_with_frozen_heap(fit, *args, **kwargs):
         kwargs.update(zip(_FIT_PARAMETERS[position:], args[position:]))
         args = args[:position]
     freezer = FreezeHeapDuringFit()
-    kwargs["callbacks"] = [freezer] + list(kwargs.get("callbacks") or [])
+    kwargs["callbacks"] = with_callback_first(freezer, kwargs.get("callbacks"))
     try:
         return fit(*args, **kwargs)
     finally:

@@ -21,6 +21,8 @@ import functools
 
 import keras
 
+from tfdp.training.callback_order import with_callback_first
+
 
 class SyncAtEpochEnd(keras.callbacks.Callback):
     """Synchronises the replicas' weights after the last batch of each epoch and at the end of `fit`."""
@@ -51,7 +53,7 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
 
 
 def _fit(model, *args, callbacks=None, **kwargs):
-    callbacks = [SyncAtEpochEnd(model.optimizer)] + list(callbacks or [])
+    callbacks = with_callback_first(SyncAtEpochEnd(model.optimizer), callbacks)
     return type(model).fit(model, *args, callbacks=callbacks, **kwargs)
 
 
