@@ -12,6 +12,7 @@ process manages its collector itself.
 from __future__ import annotations
 
 import gc
+import inspect
 
 import keras
 import numpy as np
@@ -146,6 +147,16 @@ def test_fit_takes_callbacks_in_every_form_keras_takes(form):
         if form == "CallbackList":
             assert len(callbacks.callbacks) == 2  # the user's list is left as it was
     assert gc.get_freeze_count() == 0
+
+
+def test_the_wrapped_methods_show_keras_signatures_and_docs():
+    for sync_every in (1, 2):
+        model = _compiled(sync_every)
+        for name in gc_freeze.METHODS:
+            keras_method = getattr(keras.Model, name)
+            assert (inspect.signature(getattr(model, name))
+                    == inspect.signature(keras_method.__get__(model))), (name, sync_every)
+            assert getattr(model, name).__doc__ == keras_method.__doc__
 
 
 def test_fit_unfreezes_when_it_raises():

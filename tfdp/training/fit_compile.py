@@ -296,6 +296,10 @@ def compile(  # pylint: disable=redefined-builtin
     for name in gc_freeze.CALL_METHODS:
         setattr(model, name, functools.partial(gc_freeze.call_with_frozen_heap,
                                                getattr(model, name)))
+    # help(model.fit), inspect.signature and IDEs show Keras' own method, not a partial.
+    for name in gc_freeze.METHODS:
+        functools.update_wrapper(getattr(model, name), getattr(type(model), name).__get__(model),
+                                 updated=())
     # One collective per metrics read in fit/evaluate, not one per variable.
     metric_reads.install(model)
     model.tfdp_accum_steps = accum_steps
