@@ -225,3 +225,15 @@ def test_trainer_freezes_while_training_and_after_its_first_call():
     assert frozen[1] > frozen[0] + 5000, frozen
     assert max(walked[1:]) < walked_before // 20, (walked_before, walked)
     assert gc.get_freeze_count() == 0
+    # Trainer.evaluate runs frozen as a whole, and gives everything back.
+    in_eval = []
+    eval_step = trainer._steps.eval_step  # pylint: disable=protected-access
+
+    def observed_eval_step(data):
+        in_eval.append(gc.get_freeze_count())
+        return eval_step(data)
+
+    trainer._steps.eval_step = observed_eval_step  # pylint: disable=protected-access
+    trainer.evaluate(dataset)
+    assert len(in_eval) == 4 and min(in_eval) > walked_before // 2, in_eval
+    assert gc.get_freeze_count() == 0

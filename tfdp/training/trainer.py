@@ -586,13 +586,15 @@ class Trainer:
         Returns:
             `{"loss": mean per-example loss, <metric names>: results}`.
         """
-        self._sync_pending()
-        self._reset(self._steps.eval_loss, *self._steps.eval_metrics)
-        if isinstance(dataset, tf.data.Dataset):
-            dataset = self.strategy.experimental_distribute_dataset(dataset)
-        for data in dataset:
-            self._steps.eval_step(data)
-        return self._results(self._steps.eval_loss, self._steps.eval_metrics)
+        # As in train: a full garbage collection on one worker stalls the others.
+        with gc_freeze.FrozenHeap():
+            self._sync_pending()
+            self._reset(self._steps.eval_loss, *self._steps.eval_metrics)
+            if isinstance(dataset, tf.data.Dataset):
+                dataset = self.strategy.experimental_distribute_dataset(dataset)
+            for data in dataset:
+                self._steps.eval_step(data)
+            return self._results(self._steps.eval_loss, self._steps.eval_metrics)
 
     # --- hooks --------------------------------------------------------------
 
