@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 
 from tfdp._upstream import keras_loss_terms
+from tfdp._upstream import numpy_aliased_inputs
 from tfdp.training import accumulation
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
@@ -176,6 +177,8 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         data: `(x, y, sample_weight)`-like replica batch.
         track: updates loss and metric state for each share.
     """
+    if numpy_aliased_inputs.needed():  # never write into the caller's arrays
+        data = numpy_aliased_inputs.own_inputs(data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     variables = model.trainable_variables
     guarded = nonfinite_lib.guard_of(optimizer) is not None
@@ -237,6 +240,8 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
 def replica_eval_step(*, model: keras.Model, loss_source, normalizer: norm_lib.Normalizer,
                       data: Any, track: Track) -> None:
     """One evaluation step on one replica's share of a global batch (inside `strategy.run`)."""
+    if numpy_aliased_inputs.needed():  # never write into the caller's arrays
+        data = numpy_aliased_inputs.own_inputs(data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     global_counts, _ = counts_before_forward(model, loss_source, normalizer, x, y, sample_weight)
     y_pred = _forward(model, x, training=False)
