@@ -69,6 +69,13 @@ def test_needed_only_with_two_or_more_replicas_in_sync():
     assert numpy_aliased_inputs.needed() is False  # no strategy: the default replica context
 
 
+def test_only_host_devices_need_the_copy():
+    assert numpy_aliased_inputs.on_host_only(["/job:worker/replica:0/task:1/device:CPU:0",
+                                              "/cpu:1"])
+    assert not numpy_aliased_inputs.on_host_only(["/job:localhost/replica:0/task:0/device:GPU:0"])
+    assert not numpy_aliased_inputs.on_host_only(["/device:CPU:0", "/device:TPU:0"])
+
+
 @pytest.mark.parametrize("value", [None, np.ones(2, np.float32), "text"])
 def test_own_inputs_passes_what_is_not_a_tensor_through(value):
     assert numpy_aliased_inputs.own_inputs({"v": value})["v"] is value

@@ -59,11 +59,21 @@ def own_inputs(data: Any) -> Any:
     return tf.nest.map_structure(_owned, data)
 
 
+def on_host_only(devices) -> bool:
+    """Whether every device name in `devices` is a CPU (where batches stay in host memory)."""
+    return all(tf.DeviceSpec.from_string(device).device_type == "CPU" for device in devices)
+
+
 def needed() -> bool:
     """Whether the replica step being traced can receive slices of a caller's array.
 
-    True with 2 or more replicas in sync (the batches are split); one
-    replica reads whole batches, which the runtime does not overwrite.
+    True with 2 or more replicas in sync (the batches are split) whose
+    devices are all CPUs. One replica reads whole batches, which the runtime
+    does not overwrite; on GPUs and TPUs the input pipeline has copied each
+    batch to the device (and XLA, which GPU users may turn on, has no
+    `DeepCopy`; tfdp refuses `jit_compile` on several CPU replicas).
     """
     context = tf.distribute.get_replica_context()
-    return context is not None and context.num_replicas_in_sync > 1
+    if context is None or context.num_replicas_in_sync < 2:
+        return False
+    return on_host_only(tf.distribute.get_strategy().extended.worker_devices)
