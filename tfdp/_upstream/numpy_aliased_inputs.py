@@ -24,11 +24,11 @@ that this copy can go.
 
 `own_inputs` gives each replica step its own copy of its dense host-memory
 (CPU) tensors (`tf.raw_ops.DeepCopy`, which always allocates; `tf.identity`
-and `Snapshot` forward the same memory and do not help). Tensors placed on
-an accelerator (a GPU or TPU in their device name) were copied there by the
-input pipeline and are left alone; in a traced step the inputs are
-usually not placed yet and are copied on the replica's device. The cost is
-one copy of each replica's batch per step: 0.024 ms for a 32x32x32x3
+and `Snapshot` forward the same memory and do not help). `needed()` limits
+it to strategies whose replicas are all CPUs: on GPUs and TPUs the input
+pipeline has copied each batch to the device already (not run on a GPU
+here). A tensor placed on an accelerator is left alone all the same. The
+cost is one copy of each replica's batch per step: 0.024 ms for a 32x32x32x3
 float32 batch, 5.1 ms for 128x224x224x3 (about 15 GB/s; AMD EPYC family
 26, 2026-11-27).
 """
