@@ -22,15 +22,14 @@ CPU devices, `t * 2.0` in the step: the array doubles) and checks that
 `own_inputs` prevents it; it fails when TensorFlow no longer overwrites, so
 that this copy can go.
 
-`own_inputs` gives each replica step its own copy of its dense host-memory
-(CPU) tensors (`tf.raw_ops.DeepCopy`, which always allocates; `tf.identity`
-and `Snapshot` forward the same memory and do not help). `needed()` limits
-it to strategies whose replicas are all CPUs: on GPUs and TPUs the input
+`own_inputs` gives each replica step its own copy of its dense tensors
+(`tf.raw_ops.DeepCopy`, which always allocates; `tf.identity` and
+`Snapshot` forward the same memory and do not help). `needed()` limits it
+to strategies whose replicas are all CPUs: on GPUs and TPUs the input
 pipeline has copied each batch to the device already (not run on a GPU
-here). A tensor placed on an accelerator is left alone all the same. The
-cost is one copy of each replica's batch per step: 0.024 ms for a 32x32x32x3
-float32 batch, 5.1 ms for 128x224x224x3 (about 15 GB/s; AMD EPYC family
-26, 2026-11-27).
+here). The cost is one copy of each replica's batch per step: 0.024 ms for
+a 32x32x32x3 float32 batch, 5.1 ms for 128x224x224x3 (about 15 GB/s; AMD
+EPYC family 26, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -39,19 +38,15 @@ from typing import Any
 
 import tensorflow as tf
 
-_ACCELERATORS = ("GPU", "TPU")
-
 
 def _owned(value):
     if not isinstance(value, tf.Tensor) or isinstance(value, tf.Variable):
         return value  # None, NumPy, ragged and sparse values, variables: as they are
-    if tf.DeviceSpec.from_string(value.device or "").device_type in _ACCELERATORS:
-        return value
     return tf.raw_ops.DeepCopy(x=value)
 
 
 def own_inputs(data: Any) -> Any:
-    """`data` (a nest of tensors) with every dense host tensor replaced by a fresh copy.
+    """`data` (a nest of tensors) with every dense tensor replaced by a fresh copy.
 
     Call it first in a function run under `strategy.run` with 2 or more
     replicas, on the replica's batch, before anything else reads it.

@@ -103,6 +103,17 @@ def _settle_counts(normalizer, share, static_examples, can_defer, local_counts):
     return normalizer.global_counts(local_counts()), False
 
 
+def _replica_batch(data):
+    """`(x, y, sample_weight)` of a replica's batch, in memory the step may write to.
+
+    Under several CPU replicas the batch can be slices of the caller's NumPy
+    arrays, which TensorFlow would overwrite (`numpy_aliased_inputs`).
+    """
+    if numpy_aliased_inputs.needed():
+        data = numpy_aliased_inputs.own_inputs(data)
+    return keras.utils.unpack_x_y_sample_weight(data)
+
+
 def counts_before_forward(model, loss_source, normalizer, x, y, sample_weight, can_defer=False):
     """The global counts of a whole replica batch, known before its forward pass.
 
@@ -177,9 +188,7 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         data: `(x, y, sample_weight)`-like replica batch.
         track: updates loss and metric state for each share.
     """
-    if numpy_aliased_inputs.needed():  # never write into the caller's arrays
-        data = numpy_aliased_inputs.own_inputs(data)
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = _replica_batch(data)
     variables = model.trainable_variables
     guarded = nonfinite_lib.guard_of(optimizer) is not None
 
@@ -240,9 +249,7 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
 def replica_eval_step(*, model: keras.Model, loss_source, normalizer: norm_lib.Normalizer,
                       data: Any, track: Track) -> None:
     """One evaluation step on one replica's share of a global batch (inside `strategy.run`)."""
-    if numpy_aliased_inputs.needed():  # never write into the caller's arrays
-        data = numpy_aliased_inputs.own_inputs(data)
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = _replica_batch(data)
     global_counts, _ = counts_before_forward(model, loss_source, normalizer, x, y, sample_weight)
     y_pred = _forward(model, x, training=False)
     share = loss_source.share(x, y, y_pred, sample_weight)
