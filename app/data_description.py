@@ -185,7 +185,10 @@ def describe_before_strategy(config) -> DataDescription | None:
         if name == digits.NAME:
             data_dir = os.path.abspath(os.path.expanduser(
                 config.data_dir or digits.default_data_dir()))
-            return _tfds_description(name, digits.Digits(data_dir=data_dir))
+            # Not yet prepared, digits still has its two splits: a check
+            # against them must not wait for the first build.
+            return _tfds_description(name, digits.Digits(data_dir=data_dir),
+                                     splits_if_unprepared=digits.SPLITS)
         builder = tfds.builder(name, data_dir=config.data_dir)
         return _tfds_description(name, builder,
                                  unavailable=_not_prepared(name, builder, config.data_dir))

@@ -43,8 +43,12 @@ def default_data_dir() -> str:
     return os.environ.get(DATA_DIR_ENV) or os.path.expanduser("~/tensorflow_datasets")
 
 
+#: The splits `Digits` writes, known before it is prepared.
+SPLITS = ("test", "train")
+
+
 def split_indices() -> dict[str, np.ndarray]:
-    """Indices into `sklearn.datasets.load_digits()` of each split, sorted."""
+    """Indices into `sklearn.datasets.load_digits()` of each split (`SPLITS`), sorted."""
     from sklearn import datasets, model_selection
 
     labels = datasets.load_digits().target

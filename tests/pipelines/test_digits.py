@@ -28,6 +28,7 @@ def test_written_as_tfds_shards_with_the_fixed_split(digits_dir):
 def test_examples_are_sklearn_digits_scaled_to_uint8(digits_dir):
     reference = datasets.load_digits()
     indices = digits.split_indices()
+    assert tuple(sorted(indices)) == digits.SPLITS  # what checks before preparing rely on
     assert not set(indices["train"]) & set(indices["test"])
     assert len(indices["train"]) + len(indices["test"]) == len(reference.target)
     source = pipelines.get_source("digits", data_dir=digits_dir)
