@@ -7,7 +7,8 @@ case's other rows are still reported), with the error in the files; 0
 otherwise. A skipped case (PyTorch not installed) is not a failure.
 
     python -m tfdp.bench                       # full suite; not timed whole since memory (18 min alone) and time to accuracy (12 min) joined
-    python -m tfdp.bench --quick --out_dir /tmp/bench   # smoke test, ~15 min on 2 cores
+    python -m tfdp.bench --quick --out_dir /tmp/bench   # every case, a few steps each, ~15 min on 2 cores
+    python -m tfdp.bench --smoke --out_dir /tmp/bench   # the suite's wiring only: its figures measure nothing
     python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
     python -m tfdp.bench --link 1gbit --cases communication,time_to_accuracy   # two cases only
 """
@@ -21,14 +22,18 @@ from absl import flags
 
 _OUT_DIR = flags.DEFINE_string("out_dir", "bench_results", "Where the three result files go.")
 _QUICK = flags.DEFINE_boolean("quick", False, "Every case with a few steps (smoke test).")
+_SMOKE = flags.DEFINE_boolean(
+    "smoke", False, "Every case and path of --quick at the smallest sizes: checks that the "
+    "suite runs here (a few minutes); its figures measure nothing.")
 _THREADS = flags.DEFINE_integer(
     "threads", 1, "TensorFlow intra- and inter-op threads (torch threads) per worker.",
     lower_bound=1)
 _STEPS = flags.DEFINE_integer(
     "steps", None, "Optimizer steps per timed call (multiple of --steps_per_execution). "
-    "Defaults to 100 (20 with --quick).", lower_bound=1)
+    "Defaults to 100 (20 with --quick, 4 with --smoke).", lower_bound=1)
 _STEPS_PER_EXECUTION = flags.DEFINE_integer(
-    "steps_per_execution", 10, "N: steps_per_execution / steps_per_loop.", lower_bound=1)
+    "steps_per_execution", None, "N: steps_per_execution / steps_per_loop. Defaults to 10 "
+    "(2 with --smoke).", lower_bound=1)
 _REPEATS = flags.DEFINE_integer(
     "repeats", None, "Timed calls per path per launch. Defaults to 3 (1 with --quick).",
     lower_bound=1)
@@ -59,19 +64,25 @@ def main(argv) -> None:
 
     overrides = {
         "threads": _THREADS.value,
-        "steps_per_execution": _STEPS_PER_EXECUTION.value,
         "link_gbytes_per_second": _LINK.value,
         "timeout_scale": _TIMEOUT_SCALE.value,
         "link": _SHAPED_LINK.value,
     }
-    for name, flag in (("steps", _STEPS), ("repeats", _REPEATS), ("rounds", _ROUNDS)):
+    for name, flag in (("steps", _STEPS), ("steps_per_execution", _STEPS_PER_EXECUTION),
+                       ("repeats", _REPEATS), ("rounds", _ROUNDS)):
         if flag.value is not None:
             overrides[name] = flag.value
     if _CASES.value is not None:
         overrides["cases"] = tuple(_CASES.value)
+    if _QUICK.value and _SMOKE.value:
+        raise app.UsageError("--quick and --smoke are two sizes of the suite: pass one of them.")
     try:
-        config = (suite.SuiteConfig.quick_config(**overrides) if _QUICK.value
-                  else suite.SuiteConfig(**overrides))
+        if _SMOKE.value:
+            config = suite.SuiteConfig.smoke_config(**overrides)
+        elif _QUICK.value:
+            config = suite.SuiteConfig.quick_config(**overrides)
+        else:
+            config = suite.SuiteConfig(**overrides)
     except ValueError as error:
         raise app.UsageError(str(error)) from None
     from tfdp.bench import link

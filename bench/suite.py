@@ -190,6 +190,24 @@ class SuiteConfig:
         values.update(overrides)
         return cls(**values)
 
+    @classmethod
+    def smoke_config(cls, **overrides) -> "SuiteConfig":
+        """`quick_config` at the smallest sizes that still run every part of every case.
+
+        For checking the suite's wiring (the test suite runs it): every case,
+        every path and every launch of `--quick`, with per-replica batches of
+        8, 2 timed executions of 2 steps, 1,000 predictions and 1 epoch of
+        time to accuracy. Its figures are not measurements of anything.
+        """
+        values = dict(
+            per_replica_batch=8, steps_per_execution=2, steps=4, accum_micro_batch=4,
+            accum_steps_timed=2, all_reduce_iterations=2,
+            predict_examples=1_000, predict_memory_examples=(500, 2_000),
+            memory_steps=1, tta_max_epochs=1,
+        )
+        values.update(overrides)
+        return cls.quick_config(**values)
+
     @property
     def link_slowdown(self) -> float:
         """How much longer the suite's launches may take over `link` than over 1 Gbit/s (≥ 1).
