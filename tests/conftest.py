@@ -1,5 +1,10 @@
 """Shared pytest set-up for tfdp.
 
+Tiers: `python -m pytest` (CI) runs every test; `python -m pytest -m "not
+slow"` is the developer tier, which leaves out every test marked `slow`: those
+that start worker processes and those that took a second or more on a 2-core
+machine (the slowest case of a parametrised test decides for all of its cases).
+
 The test process splits its CPU into ``TEST_CPU_DEVICES`` logical devices once,
 before anything initialises TensorFlow, so every multi-replica path
 (`tfdp.make_strategy(cpu_replicas=N)` for N <= 4) runs in-process without GPUs.

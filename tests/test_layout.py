@@ -203,6 +203,7 @@ def test_setup_cfg_installs_every_package():
     assert package_dir == PACKAGE_DIRS
 
 
+@pytest.mark.slow
 def test_a_users_own_models_py_does_not_shadow_tfdps(tmp_path):
     # Before the namespace, `models`, `launch` and `pipelines` were top-level
     # names: a models.py in the working directory replaced tfdp's.

@@ -121,6 +121,7 @@ def test_each_readme_train_command_parses_and_its_model_fits_its_dataset(args):
         flags.FLAGS.unparse_flags()
 
 
+@pytest.mark.slow
 def test_readme_predict_commands_parse_and_no_check_starts_tensorflow():
     """In a fresh process (tfdp-predict's flags clash with tfdp-train's): each
     README tfdp-predict command parses and names a split its dataset has; then

@@ -226,6 +226,7 @@ def _fit_weights(strategy, *, steps_per_execution):
     return model.get_weights(), history.history
 
 
+@pytest.mark.slow
 def test_mirrored_steps_per_execution_matches_one_device(patch_state):
     # On CPUs MirroredStrategy all-reduces with collectives too, so the same
     # TensorFlow bug breaks steps_per_execution > 1 there (not run unpatched

@@ -49,6 +49,7 @@ def _fit(strategy, use_tfdp, **compile_kwargs):
     return model, history.history, batch_logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("accum_steps", [1, 2])
 def test_matches_keras_own_train_function(replicas, accum_steps):
@@ -81,6 +82,7 @@ def test_matches_keras_own_train_function(replicas, accum_steps):
         assert [b for b, _ in batches] == [b for b, _ in keras_batches]
 
 
+@pytest.mark.slow
 def test_steps_are_not_converted_by_autograph_as_in_keras_own_function(monkeypatch):
     # AutoGraph re-parses the whole call tree of tfdp's step on the first
     # trace (seconds); Keras marks its own train function do_not_convert.

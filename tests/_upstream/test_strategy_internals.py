@@ -88,6 +88,7 @@ except Exception as error:
 """
 
 
+@pytest.mark.slow
 def test_collective_key_collision_still_happens_upstream():
     """Fails once TensorFlow keeps strategies' collective keys apart itself.
 

@@ -25,6 +25,7 @@ def digits_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("digits_data"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_run_writes_a_summary_the_chief_owns(tmp_path, digits_dir, loop):
     config = RunConfig(
@@ -46,6 +47,7 @@ def test_run_writes_a_summary_the_chief_owns(tmp_path, digits_dir, loop):
     assert on_disk["config"]["loop"] == loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_one_batch_config_flows_from_the_flags_to_the_data_and_the_training(
         monkeypatch, digits_dir, loop):
@@ -118,6 +120,7 @@ def _run(config, *, crash_at_epoch=None):
     return summary, built["model"]
 
 
+@pytest.mark.slow
 def test_fit_loop_resumes_from_its_backup_like_an_uninterrupted_run(tmp_path, digits_dir):
     options = dict(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
                    epochs=3, steps_per_epoch=4, steps_per_loop=2, checkpoint_every=2,
@@ -137,6 +140,7 @@ def test_fit_loop_resumes_from_its_backup_like_an_uninterrupted_run(tmp_path, di
     assert tf.train.latest_checkpoint(str(run_dir)).endswith("ckpt-12")
 
 
+@pytest.mark.slow
 def test_fit_loop_reruns_a_finished_run_without_training_it_again(tmp_path, digits_dir):
     config = RunConfig(model="tiny", dataset="digits", data_dir=digits_dir, global_batch=64,
                        epochs=1, steps_per_epoch=2, model_dir=str(tmp_path))
@@ -149,6 +153,7 @@ def test_fit_loop_reruns_a_finished_run_without_training_it_again(tmp_path, digi
         _run(longer)
 
 
+@pytest.mark.slow
 def test_fit_loop_reruns_a_finished_run_that_skipped_nonfinite_steps(tmp_path, digits_dir):
     # optimizer.iterations counts applied updates only: a finished run of 2
     # training steps, one skipped for a non-finite gradient, holds iterations

@@ -43,6 +43,7 @@ def test_fit_writes_the_custom_loops_scalars_and_a_line_every_log_every_steps(tm
     assert scalars["learning_rate"][0][1] == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_appends_and_the_curves_are_drawn(tmp_path):
     model, lines = _model(), []
     _fit(model, _progress(model, tmp_path / "train", lines, total=24), epochs=2)

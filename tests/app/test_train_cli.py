@@ -70,6 +70,7 @@ def test_local_step_flags_build_the_outer_optimizer(parse_flags, flags, expected
         assert (float(outer.learning_rate), outer.momentum) == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_shard_optimizer_state_reaches_the_trained_optimizer(parse_flags, tmp_path):
     """Two logical replicas, 2 steps: the optimizer that trained kept half of its slots."""
     parse_flags("--model=mlp", "--cpu_replicas=2", "--epochs=1", "--steps_per_epoch=2",
@@ -136,6 +137,7 @@ def test_flags_map_onto_run_config(parse_flags):
     assert (config.warmup_epochs, config.cpu_replicas) == (0.5, 2)
 
 
+@pytest.mark.slow
 def test_console_script_rejects_contradictory_flags():
     result = subprocess.run(
         ["tfdp-train", "--global_batch=64", "--per_replica_batch=8"],
@@ -145,6 +147,7 @@ def test_console_script_rejects_contradictory_flags():
     assert "tfdp-train: error: Pass at most one of --global_batch" in result.stderr
 
 
+@pytest.mark.slow
 def test_helpfull_lists_the_flags():
     result = subprocess.run([sys.executable, "-m", "tfdp.app.train", "--helpfull"],
                             capture_output=True, text=True, timeout=120)

@@ -94,6 +94,7 @@ def run_cli(monkeypatch, capsys):
     flags.FLAGS.unparse_flags()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, dataset, loop", CASES)
 def test_each_pair_trains_two_steps_or_exits_2_before_any_work(run_cli, model, dataset, loop):
     fits = _fits(model, dataset)
@@ -112,6 +113,7 @@ def test_each_pair_trains_two_steps_or_exits_2_before_any_work(run_cli, model, d
         assert strategies == 0  # refused before the strategy: no runtime, no data, no model
 
 
+@pytest.mark.slow
 def test_resnet50_takes_the_digits_resized_to_32():
     """The README's Slurm example (resnet50 on the default digits) with --image_size=32:
     the pipeline's batches are 32x32x1 and ResNet-50 maps them to logits. (Its 2-step
@@ -143,6 +145,7 @@ def test_resnet50_trains_on_the_digits_resized_to_32(run_cli, loop):
     assert summary["model"]["input_shape"] == [32, 32, 1] and summary["steps"] == 2
 
 
+@pytest.mark.slow
 def test_evaluation_reads_the_padded_eval_split(run_cli):
     """The evaluation data goes through the same padding; the summary names its split."""
     code, err, summary, _ = run_cli(

@@ -59,6 +59,7 @@ def test_synthetic_dataset_yields_global_batches():
     assert tuple(x.shape) == (8, 4) and tuple(y.shape) == (8,)
 
 
+@pytest.mark.slow
 def test_a_command_past_its_deadline_is_stopped_with_its_group(tmp_path):
     marker = tmp_path / "child.pid"
     script = (
@@ -499,6 +500,7 @@ def test_memory_summary_ratios_targets_and_report():
         without_remat))
 
 
+@pytest.mark.slow
 def test_zero_memory_job_counts_the_state_of_both_replicas():
     """One process mirrored over 2 logical CPUs: sharding halves the state it holds."""
     from tfdp.bench import memory
@@ -520,6 +522,7 @@ def test_zero_memory_job_counts_the_state_of_both_replicas():
     assert sharded["workers"][0]["shard_scratch_bytes"] >= 4 * parameters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])
 def test_remat_memory_job_trains_the_transformer(remat):
     from tfdp.bench import memory

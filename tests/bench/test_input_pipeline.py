@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tfdp.bench import input_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_both_pipelines_see_the_same_examples_and_report_throughput():
     result = input_pipeline.run_benchmark(
         num_examples=64, image_size=16, global_batch=16, epochs=1, repeats=1
@@ -22,6 +25,7 @@ def test_both_pipelines_see_the_same_examples_and_report_throughput():
     ]
 
 
+@pytest.mark.slow
 def test_the_suite_job_reports_both_throughputs_and_their_ratio():
     result = input_pipeline.measure(
         {"num_examples": 32, "image_size": 16, "global_batch": 16, "epochs": 1, "repeats": 1,
@@ -42,6 +46,7 @@ def test_naive_pipeline_has_no_parallelism_or_prefetch():
     assert options.experimental_optimization.inject_prefetch is False
 
 
+@pytest.mark.slow
 def test_command_line_rejects_a_batch_larger_than_the_data():
     completed = subprocess.run(
         [sys.executable, "-m", "tfdp.bench.input_pipeline", "--num_examples=8", "--global_batch=16"],

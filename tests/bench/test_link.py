@@ -60,6 +60,7 @@ def test_only_multi_worker_runs_go_through_the_link(monkeypatch):
     assert commands[2][4:7] == [sys.executable, "-m", "tfdp.launch"]
 
 
+@pytest.mark.slow
 def test_the_suite_says_in_one_line_when_it_cannot_shape(tmp_path):
     # No `ip` or `tc` on PATH: exit 2 with one line and no traceback, before any case runs.
     empty = tmp_path / "bin"

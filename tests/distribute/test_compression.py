@@ -131,6 +131,7 @@ def assert_close(actual, expected):
                                rtol=TOLERANCE, atol=TOLERANCE * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [1, 2])
 def test_powersgd_equals_the_papers_algorithm_over_several_steps(rank):
     compressor = PowerSGD(rank=rank)
@@ -155,6 +156,7 @@ def test_powersgd_equals_the_papers_algorithm_over_several_steps(rank):
     assert compressor.values_sent([tf.zeros(s) for s in SHAPES]) == per_step_values
 
 
+@pytest.mark.slow
 def test_powersgd_at_full_rank_equals_the_plain_sum():
     """Rank ≥ min(n, m) and compression forced on: P̂ spans the gradients, nothing is lost."""
     compressor = PowerSGD(rank=20, min_compression_ratio=0.01)
@@ -166,6 +168,7 @@ def test_powersgd_at_full_rank_equals_the_plain_sum():
             assert_close(g, sum(replica[i].astype("float64") for replica in step))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.05, 0.3])
 def test_topk_equals_sparsified_sgd_with_memory(fraction):
     compressor = TopK(fraction=fraction)

@@ -157,6 +157,7 @@ def _train(all_reduce_dtype, *, trainer: bool):
     return [w.numpy() for w in model.weights]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", [False, True], ids=["fit", "trainer"])
 def test_training_with_bfloat16_all_reduce_stays_close_to_float32(trainer):
     exact = _train(None, trainer=trainer)

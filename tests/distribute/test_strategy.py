@@ -389,6 +389,7 @@ def test_cpu_replicas_after_initialisation_names_the_problem():
     assert "at the start of the program" in str(error.value)
 
 
+@pytest.mark.slow
 def test_cpu_replicas_after_initialisation_in_a_fresh_process():
     script = textwrap.dedent(
         """
@@ -445,6 +446,7 @@ def _train_weights(strategy):
     return initial, [w.numpy() for w in model.weights], history.history["loss"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_n_replicas_train_like_one_device(replicas):
     initial, reference, reference_loss = _train_weights(tfdp.make_strategy("one_device"))

@@ -68,6 +68,7 @@ def _files(directory):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("output_format", FORMATS)
 def test_two_replicas_score_every_example_once_as_keras_predict_does(
     tmp_path, digits, two_replicas, one_device, output_format
@@ -95,6 +96,7 @@ def test_two_replicas_score_every_example_once_as_keras_predict_does(
     ]
 
 
+@pytest.mark.slow
 def test_one_device_writes_what_two_replicas_write(tmp_path, digits, two_replicas, one_device):
     source = tf.data.Dataset.from_tensor_slices(digits)
     model, strategy = two_replicas
@@ -119,6 +121,7 @@ def _counting(calls):
     return preprocess
 
 
+@pytest.mark.slow
 def test_rerun_scores_only_the_unfinished_shards_and_leaves_the_others_untouched(
     tmp_path, digits, two_replicas
 ):
@@ -163,6 +166,7 @@ def test_rerun_scores_only_the_unfinished_shards_and_leaves_the_others_untouched
     assert summary.complete and summary.shards_scored == 0 and not calls
 
 
+@pytest.mark.slow
 def test_key_field_and_named_outputs(tmp_path, digits):
     pixels = keras.Input((8, 8, 1), name="pixels")
     flat = keras.layers.Flatten()(pixels)
@@ -250,6 +254,7 @@ def test_the_index_is_written_last_and_lists_every_shard(tmp_path, digits, one_d
     assert all(os.stat(tmp_path / s["file"]).st_mtime_ns <= index_time for s in index["shards"])
 
 
+@pytest.mark.slow
 def test_an_input_of_unknown_size_is_counted_once_whatever_its_shapes(tmp_path):
     # Rows of different lengths (padded by preprocess), behind a filter: the
     # size is unknown, and the raw examples cannot be batched densely.

@@ -269,6 +269,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_is_forwarded_then_escalated_to_sigkill(tmp_path, pid_dir, signum):

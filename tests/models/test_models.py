@@ -46,6 +46,7 @@ def test_every_registered_model_has_a_tiny_test_configuration():
     assert sorted(TINY) == [n for n in models.names() if n != "resnet50"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_logits_are_float32_batch_by_classes(name, dtype_policy):
     model = _build(name)
@@ -59,6 +60,7 @@ def test_logits_are_float32_batch_by_classes(name, dtype_policy):
         assert dtype_policy.removeprefix("mixed_") in compute_dtypes
 
 
+@pytest.mark.slow
 def test_resnet50_builds_without_downloading_and_outputs_float32_logits():
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
@@ -105,6 +107,7 @@ def test_invalid_arguments_name_the_problem_and_the_fix(name, kwargs, message):
         models.get(name, **arguments)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet20", "transformer"])
 def test_json_round_trip_gives_the_same_function(name):
     model = _build(name)
@@ -115,6 +118,7 @@ def test_json_round_trip_gives_the_same_function(name):
     assert restored.name == model.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cnn", "resnet20", "transformer"])
 def test_the_seed_fixes_the_initial_weights(name):
     def weights(seed):

@@ -120,6 +120,7 @@ def _layers(model):
             yield from _layers(layer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key, blocks", [("transformer", 2), ("resnet8", 3)])
 def test_remat_gives_the_gradients_and_state_of_no_remat(strategy, key, blocks):
     x, y = _data(key, strategy.num_replicas_in_sync)
@@ -140,6 +141,7 @@ def _eager_step(model, x, y):
             [(v.name, v.numpy()) for v in model.non_trainable_variables])
 
 
+@pytest.mark.slow
 def test_resnet50_remat_recomputes_its_16_blocks_with_the_same_gradients():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, *RESNET50_INPUT)).astype("float32")

@@ -6,6 +6,7 @@ from tfdp import models
 from tfdp.models import resnet_cifar
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, params_millions",
     # Table 6 of the paper (option A shortcuts); projections add 0.003M.

@@ -9,6 +9,7 @@ SMALL = dict(vocab_size=20, num_layers=1, num_heads=2, hidden=8, num_classes=3)
 TOKENS = np.array([[5, 6, 7, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("num_layers", [1, 3])
 @pytest.mark.parametrize("remat", [False, True])

@@ -61,6 +61,7 @@ def test_default_data_dir_follows_the_environment(monkeypatch, tmp_path):
     assert pipelines.default_data_dir() == os.path.expanduser("~/tensorflow_datasets")
 
 
+@pytest.mark.slow
 def test_generated_on_first_use_in_the_default_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv(digits.DATA_DIR_ENV, str(tmp_path / "new"))
     info = pipelines.describe_source("digits")
@@ -68,6 +69,7 @@ def test_generated_on_first_use_in_the_default_data_dir(monkeypatch, tmp_path):
     assert tfds.builder("digits", data_dir=str(tmp_path / "new")).is_prepared()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_digits_pipeline_shards_by_file(split, digits_dir):
     dataset = pipelines.make_dataset(

@@ -125,6 +125,7 @@ def test_digits_file_sharding_reads_every_example_once(digits_dir):
     assert sum(everything.values()) == 360
 
 
+@pytest.mark.slow
 def test_training_reshuffles_each_epoch_and_a_seed_makes_it_reproducible():
     strategy = get_strategy("mirrored2")
 
@@ -344,6 +345,7 @@ def test_shard_policy_off_repeats_every_example_on_every_pipeline():
     assert collections.Counter(ids) == {i: 2 for i in range(8)}
 
 
+@pytest.mark.slow
 def test_endless_source_has_no_epoch_and_cannot_be_evaluated():
     strategy = get_strategy("mirrored2")
     endless = id_dataset(10).repeat()
@@ -404,6 +406,7 @@ def _features_dataset(num_examples, num_features=3, num_classes=4):
     return x, y, tf.data.Dataset.from_tensor_slices((x, y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["mirrored2", "mirrored4", "multiworker_local2"])
 def test_evaluation_metrics_equal_single_device_metrics_exactly(strategy_name):
     num_examples = 37
@@ -439,6 +442,7 @@ def test_evaluation_metrics_equal_single_device_metrics_exactly(strategy_name):
     assert results["loss"] == pytest.approx(expected_crossentropy, rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy_name", ["mirrored2", "multiworker_local2"],
     ids=["pipeline-per-replica", "one-pipeline-two-replicas"],

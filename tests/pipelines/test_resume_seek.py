@@ -118,6 +118,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,strategy_name", CASES, ids=[f"{k}-{s}" for k, s in CASES])
 def test_a_resumed_epoch_is_the_rest_of_the_epoch_and_preprocesses_only_it(
         kind, strategy_name, id_files):
@@ -143,6 +144,7 @@ def test_a_resumed_epoch_is_the_rest_of_the_epoch_and_preprocesses_only_it(
         assert reads.count == 2 * 8
 
 
+@pytest.mark.slow
 def test_entering_at_the_end_or_beyond(id_files):
     strategy = get_strategy("default")
     dataset = pipelines.make_dataset(_tfrecord_ids(id_files, Counter()), strategy=strategy,
@@ -155,6 +157,7 @@ def test_entering_at_the_end_or_beyond(id_files):
     assert real_ids(collect(twice, strategy)) == real_ids(collect(dataset, strategy))[56:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,num_pipelines,num_replicas",
                          [("tfrecord", 2, 2), ("tfrecord", 3, 3), ("indexed", 2, 4)])
 def test_pipelines_partition_the_epoch_and_each_resumes_alone(
@@ -186,6 +189,7 @@ def test_pipelines_partition_the_epoch_and_each_resumes_alone(
     assert plan.mode == ("file" if kind == "tfrecord" and num_pipelines == 2 else "data")
 
 
+@pytest.mark.slow
 def test_every_epoch_has_a_new_order_and_a_seed_repeats_it(id_files):
     strategy = get_strategy("default")
 
@@ -200,6 +204,7 @@ def test_every_epoch_has_a_new_order_and_a_seed_repeats_it(id_files):
     assert epochs(seed=8)[0] != first
 
 
+@pytest.mark.slow
 def test_random_preprocessing_of_a_resumed_epoch_is_the_uninterrupted_one(digits_dir):
     strategy = get_strategy("mirrored2")
     dataset = pipelines.make_dataset(

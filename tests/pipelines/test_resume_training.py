@@ -131,6 +131,7 @@ def _train(strategy, recorder, model_dir, seed, steps):
     return trainer.model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["fit", "trainer"])
 def test_a_late_resume_preprocesses_nothing_it_skips_and_ends_as_uninterrupted(loop, tmp_path):
     strategy = get_strategy("mirrored2")

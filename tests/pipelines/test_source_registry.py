@@ -29,6 +29,7 @@ def test_unknown_name_lists_the_known_sources_and_close_matches():
     assert "Did you mean: mnist" in message
 
 
+@pytest.mark.slow
 def test_checking_a_name_reads_no_data_and_starts_no_runtime(tmp_path):
     # tfdp-train checks --dataset before it builds a MultiWorkerMirroredStrategy,
     # which must configure collective ops before TensorFlow initialises.

@@ -47,6 +47,7 @@ def _source(directory, **kwargs):
                           channels=1, **kwargs)
 
 
+@pytest.mark.slow
 def test_reads_every_example_back_in_file_and_record_order(digits_files):
     directory, images, labels = digits_files
     source = _source(directory)
@@ -100,6 +101,7 @@ def test_a_given_count_shards_by_record_before_decoding(digits_files):
     assert sorted(sum(parts, [])) == sorted(whole)
 
 
+@pytest.mark.slow
 def test_make_dataset_trains_on_it_exactly_once_per_epoch(digits_files):
     import tfdp
 

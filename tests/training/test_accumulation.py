@@ -51,6 +51,7 @@ def _fit(strategy, *, accum_steps, global_batch=GLOBAL_BATCH, steps=STEPS, regul
     return model, initial, history.history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas, accum_steps, regularized, steps_per_execution",
     [(2, 4, False, 1), (2, 4, True, 1), (4, 2, False, 3), (1, 8, True, 1)],
@@ -94,6 +95,7 @@ def mixed_policy(request):
 MIXED_ATOL = {"mixed_float16": 5e-4, "mixed_bfloat16": 5e-3}
 
 
+@pytest.mark.slow
 def test_mixed_precision_accumulation_on_two_replicas_matches_one_device(mixed_policy):
     reference, initial, ref_logs = _fit(tfdp.make_strategy("one_device"), accum_steps=1)
     model, start, logs = _fit(tfdp.make_strategy(cpu_replicas=2), accum_steps=4)
@@ -118,6 +120,7 @@ def test_mixed_precision_accumulation_on_two_replicas_matches_one_device(mixed_p
                                    rtol=0, err_msg=variable.path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [4, 1])
 def test_one_gradient_all_reduce_per_optimizer_step(accum_steps):
     # The gradients only: with a static batch and no mask, the loss's global
@@ -127,6 +130,7 @@ def test_one_gradient_all_reduce_per_optimizer_step(accum_steps):
     assert int(counter.numpy()) == STEPS
 
 
+@pytest.mark.slow
 def test_the_counter_sees_per_micro_batch_all_reduces():
     # Negative control: training on micro-batches without accumulation
     # all-reduces once per micro-batch, and the counter must show it.
@@ -191,6 +195,7 @@ def test_keras_own_accumulation_still_fails_under_mirrored_strategy():
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
 
 
+@pytest.mark.slow
 def test_jit_compiled_accumulation_matches_one_device():
     reference, _, _ = _fit(tfdp.make_strategy("one_device"), accum_steps=1)
     x, y = _data()
@@ -230,6 +235,7 @@ class _WithUnusedBranch(keras.Model):
         return self.head(self.hidden(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [2, 1])
 def test_variables_without_a_gradient_are_left_alone_as_keras_does(accum_steps):
     # AdamW's weight decay (and Adam's bias correction) moves a variable that

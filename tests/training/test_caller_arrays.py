@@ -57,6 +57,7 @@ def _fit_and_evaluate(compile_fn, x, y):
     model.evaluate(_Batches(x, y), verbose=0)
 
 
+@pytest.mark.slow
 def test_stock_keras_writes_into_the_callers_arrays():
     # What tfdp.compile prevents (and the proof that this set-up shows it).
     x, y = _arrays()
@@ -65,6 +66,7 @@ def test_stock_keras_writes_into_the_callers_arrays():
     assert not (np.array_equal(x, x0) and np.array_equal(y, y0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [1, 2])
 def test_tfdp_compile_fit_and_evaluate_leave_them(accum_steps):
     x, y = _arrays()
@@ -78,6 +80,7 @@ def test_tfdp_compile_fit_and_evaluate_leave_them(accum_steps):
     np.testing.assert_array_equal(y, y0)
 
 
+@pytest.mark.slow
 def test_trainer_train_and_evaluate_leave_them():
     x, y = _arrays()
     x0, y0 = x.copy(), y.copy()

@@ -80,6 +80,7 @@ def _data():
     return tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1, keepdims=True))).batch(8)
 
 
+@pytest.mark.slow
 def test_dropout_draws_resume_where_they_stopped(tmp_path):
     """Keras keeps Dropout's generator state outside TF's checkpoints; tfdp saves it too."""
     import tfdp
@@ -102,6 +103,7 @@ def test_dropout_draws_resume_where_they_stopped(tmp_path):
     assert not checkpointing.random_state(_objects()[0])  # no generator: layout unchanged
 
 
+@pytest.mark.slow
 def test_dropout_draws_resume_where_they_stopped_in_fit(tmp_path):
     import tfdp
 

@@ -84,6 +84,7 @@ LOSSLESS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["fit", "trainer"])
 @pytest.mark.parametrize("name", sorted(LOSSLESS))
 def test_a_compressor_that_keeps_everything_trains_as_the_plain_all_reduce(name, path, two_replicas):
@@ -92,6 +93,7 @@ def test_a_compressor_that_keeps_everything_trains_as_the_plain_all_reduce(name,
     assert_same_weights(compressed, plain(two_replicas, path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressor", [
     lambda: tfdp.compression.PowerSGD(rank=1),
     lambda: tfdp.compression.TopK(fraction=0.05),
@@ -102,6 +104,7 @@ def test_real_compression_still_trains(compressor, two_replicas):
     assert not np.allclose(m.get_weights()[0], plain(two_replicas, "fit").get_weights()[0])
 
 
+@pytest.mark.slow
 def test_before_start_step_the_gradients_are_all_reduced_uncompressed(two_replicas):
     m, _ = fit(two_replicas, tfdp.compression.PowerSGD(rank=1, start_step=STEPS))
     assert_same_weights(m, plain(two_replicas, "fit"))
@@ -129,6 +132,7 @@ def test_bad_combinations_are_refused_naming_the_argument(kwargs, message, two_r
         tfdp.compile(m, optimizer="sgd", loss=loss(), **kwargs)
 
 
+@pytest.mark.slow
 def test_under_mixed_float16_the_memories_hold_unscaled_gradients(two_replicas):
     """The loss scale is divided out before compression: lossless PowerSGD equals no compression."""
     keras.config.set_dtype_policy("mixed_float16")

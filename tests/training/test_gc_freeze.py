@@ -86,6 +86,7 @@ def test_frozen_heap_freezes_at_start_and_at_each_first_mark_then_gives_all_back
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("managed", ["disabled", "frozen"])
 def test_frozen_heap_leaves_a_process_that_manages_its_collector_alone(managed):
     if managed == "disabled":
@@ -103,6 +104,7 @@ def test_frozen_heap_leaves_a_process_that_manages_its_collector_alone(managed):
     del kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_every", [1, 2])
 def test_fit_collects_only_what_it_made_since_the_first_epoch_and_unfreezes_at_the_end(sync_every):
     model = _compiled(sync_every)
@@ -122,6 +124,7 @@ def test_fit_collects_only_what_it_made_since_the_first_epoch_and_unfreezes_at_t
     assert len(gc.get_objects()) > walked_before  # all of it handed back
 
 
+@pytest.mark.slow
 def test_fit_takes_callbacks_by_position_under_every_wrapper():
     for sync_every in (1, 2):
         model = _compiled(sync_every)
@@ -132,6 +135,7 @@ def test_fit_takes_callbacks_by_position_under_every_wrapper():
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["callback", "nested", "tuple", "CallbackList"])
 def test_fit_takes_callbacks_in_every_form_keras_takes(form):
     # Keras flattens callbacks=... (a bare callback, nested lists) or uses a
@@ -159,6 +163,7 @@ def test_the_wrapped_methods_show_keras_signatures_and_docs():
             assert getattr(model, name).__doc__ == keras_method.__doc__
 
 
+@pytest.mark.slow
 def test_fit_unfreezes_when_it_raises():
     model = _compiled()
 
@@ -172,6 +177,7 @@ def test_fit_unfreezes_when_it_raises():
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 def test_fit_leaves_a_disabled_collector_alone():
     model = _compiled()
     observe = _Observe()
@@ -181,6 +187,7 @@ def test_fit_leaves_a_disabled_collector_alone():
     assert not gc.isenabled()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_every", [1, 2])
 def test_evaluate_and_predict_run_frozen_and_give_everything_back(sync_every):
     model = _compiled(sync_every)
@@ -203,6 +210,7 @@ def test_evaluate_and_predict_run_frozen_and_give_everything_back(sync_every):
     assert model.fit.args[0].__self__ is model
 
 
+@pytest.mark.slow
 def test_trainer_freezes_while_training_and_after_its_first_call():
     strategy = tfdp.make_strategy(cpu_replicas=2)
     with strategy.scope():

@@ -112,6 +112,7 @@ def _trainer(strategy, model_dir, **kwargs):
         model_dir=model_dir, **kwargs)
 
 
+@pytest.mark.slow
 def test_unknown_size_resume_rereads_only_the_current_epoch(tmp_path):
     strategy = tfdp.make_strategy("default")
     counter = tf.Variable(0, dtype=tf.int64)

@@ -142,6 +142,7 @@ def assert_weights(model, expected, tolerance=TOLERANCE):
 CASES = [(2, None), (3, "diloco"), (1, "diloco"), (4, None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_every,kind", CASES)
 def test_fit_equals_numpy_simulation(two_replicas, sync_every, kind):
     model = fit(two_replicas, sync_every, kind)
@@ -150,18 +151,21 @@ def test_fit_equals_numpy_simulation(two_replicas, sync_every, kind):
         np.testing.assert_array_equal(copies[0], copies[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_every,kind", CASES[:2])
 def test_trainer_equals_numpy_simulation(two_replicas, sync_every, kind):
     model, _ = train(two_replicas, sync_every, kind)
     assert_weights(model, numpy_local_training(sync_every, kind is not None))
 
 
+@pytest.mark.slow
 def test_diloco_on_one_device_equals_numpy_simulation():
     """No strategy: Keras builds the optimizer while tracing the step (the outer one too)."""
     model = fit(tf.distribute.get_strategy(), 3, "diloco")
     assert_weights(model, numpy_local_training(3, True, replicas=1))
 
 
+@pytest.mark.slow
 def test_sync_every_1_is_synchronous_training(two_replicas):
     """`sync_every=1` without an outer optimizer takes the synchronous path: the same weights, bit for bit."""
     local = fit(two_replicas, 1, None)
@@ -174,6 +178,7 @@ def test_sync_every_1_is_synchronous_training(two_replicas):
     assert not local.optimizer.steps_locally
 
 
+@pytest.mark.slow
 def test_replicas_drift_between_synchronisations(two_replicas):
     """Within a window every replica holds its own weights; an epoch's end makes them equal."""
     seen = {}
@@ -194,6 +199,7 @@ def _mse(weights):
     return float(np.mean((X.astype("float64") @ weights[0] + weights[1] - Y) ** 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_every,kind,validation_freq", [(100, None, 1), (3, "diloco", 2)])
 def test_validation_sees_synchronised_weights(two_replicas, sync_every, kind, validation_freq):
     """`fit` validates through `model.evaluate`, which ends the window first.
@@ -211,6 +217,7 @@ def test_validation_sees_synchronised_weights(two_replicas, sync_every, kind, va
     assert float(model.evaluate(dataset(), verbose=0)) == pytest.approx(want[-1], rel=TOLERANCE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_every,kind,windows", [(3, None, 2), (2, "diloco", 3), (5, None, 1)])
 def test_one_weight_all_reduce_per_window_and_none_between(sync_every, kind, windows):
     """Counted at run time over one epoch of 5 steps: one all-reduce of all weights per window."""
@@ -221,6 +228,7 @@ def test_one_weight_all_reduce_per_window_and_none_between(sync_every, kind, win
     assert int(all_gathers.numpy()) == 0
 
 
+@pytest.mark.slow
 def test_sync_is_not_converted_by_autograph_as_the_steps_are(two_replicas, monkeypatch):
     """A converted function runs from AutoGraph's generated copy, not from its own file.
 
@@ -243,6 +251,7 @@ def test_sync_is_not_converted_by_autograph_as_the_steps_are(two_replicas, monke
     assert int(model.optimizer.local_sync.steps_since_sync.numpy()) == 0
 
 
+@pytest.mark.slow
 def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas, tmp_path):
     """A checkpoint ends a window, so a run stopped there and resumed equals one that went on.
 

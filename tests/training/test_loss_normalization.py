@@ -83,6 +83,7 @@ CELLS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:tfdp. loss")
 @pytest.mark.parametrize("form_name, path", CELLS)
 def test_two_replicas_equal_one_device(form_name, path, two_replicas):
@@ -102,6 +103,7 @@ def _loss_scale_sgd():
                                                initial_scale=2.0 ** 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form_name", ["mse_object", "masking_layer", "mean_with_sample_weight"])
 def test_mixed_float16_equals_one_device(form_name, two_replicas):
     form = FORMS_BY_NAME[form_name]
@@ -148,6 +150,7 @@ def test_stock_keras_scalar_loss_gives_replicas_times_the_update(two_replicas):
     np.testing.assert_allclose(stock, 2.0 * single, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form_name", ["mse_object", "masking_layer", "sample_weight"])
 def test_per_replica_is_stock_keras(form_name, two_replicas):
     """`loss_normalization="per_replica"` trains as plain `model.compile` under the strategy."""
@@ -162,6 +165,7 @@ def test_per_replica_is_stock_keras(form_name, two_replicas):
     np.testing.assert_allclose(tfdp_history["loss"][-1], history.history["loss"][-1], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_masked_loss_differs_per_replica_but_not_globally(two_replicas):
     """The data is uneven enough that per-replica means cannot pass for the global mean."""
     form = FORMS_BY_NAME["masking_layer"]
@@ -170,6 +174,7 @@ def test_masked_loss_differs_per_replica_but_not_globally(two_replicas):
     assert loss_forms.relative_deviation(initial, expected, final) > 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form_name", ["masking_layer", "sample_weight", "two_outputs_loss_weights"])
 def test_evaluate_equals_one_device(form_name, two_replicas):
     form = FORMS_BY_NAME[form_name]
@@ -185,6 +190,7 @@ def test_evaluate_equals_one_device(form_name, two_replicas):
         np.testing.assert_allclose(results[name], value, rtol=TOLERANCE, err_msg=name)
 
 
+@pytest.mark.slow
 def test_trainer_evaluate_equals_one_device(two_replicas):
     form = FORMS_BY_NAME["masking_layer"]
     one = form.model()
@@ -199,6 +205,7 @@ def test_trainer_evaluate_equals_one_device(two_replicas):
                                rtol=TOLERANCE)
 
 
+@pytest.mark.slow
 def test_two_output_losses_are_logged_as_one_device(two_replicas):
     form = FORMS_BY_NAME["two_outputs_loss_weights"]
     _, _, history = reference(form)
@@ -209,6 +216,7 @@ def test_two_output_losses_are_logged_as_one_device(two_replicas):
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_scalar_loss_warns_once_naming_the_function(two_replicas):
     form = FORMS_BY_NAME["scalar_function"]
     loss_normalization._warned_scalar_losses.clear()  # pylint: disable=protected-access
@@ -261,6 +269,7 @@ def test_bad_loss_normalization(two_replicas):
         tfdp.compile(model, optimizer="sgd", loss="mse", loss_normalization="mean")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form_name, loss_normalization, per_step", [
     ("masking_layer", "global", 2),  # counts need the mask: one all-reduce of them
     ("mean_with_sample_weight", "global", 2),  # counts are weight sums
@@ -276,6 +285,7 @@ def test_count_all_reduces_per_step(form_name, loss_normalization, per_step, acc
     assert int(counter.numpy()) == per_step * loss_forms.STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form_name", ["mse_object", "scalar_function", "regularizers_add_loss"])
 def test_unknown_batch_split_unevenly_over_replicas_equals_one_device(form_name, two_replicas):
     """Without a static batch the examples ride in the gradients' all-reduce.

@@ -96,6 +96,7 @@ def _all_reduces_during(counter, fn):
     return out, int(counter.numpy()) - before
 
 
+@pytest.mark.slow
 def test_one_all_reduce_per_read_with_the_values_of_keras_own_read(counted):
     model, all_reduces, moments = counted
     # The replicas saw different labels, so each aggregation matters.
@@ -113,6 +114,7 @@ def test_one_all_reduce_per_read_with_the_values_of_keras_own_read(counted):
                           _numpy(ours), _numpy(keras_own))
 
 
+@pytest.mark.slow
 def test_reset_is_one_call_and_leaves_the_replicas_as_keras_own_reset(counted):
     model, all_reduces, _ = counted
     strategy = model.distribute_strategy
@@ -134,6 +136,7 @@ def test_reset_is_one_call_and_leaves_the_replicas_as_keras_own_reset(counted):
     np.testing.assert_array_equal(np.sum(_local_values(strategy, offset), axis=0), [2.0, 5.0])
 
 
+@pytest.mark.slow
 def test_fit_and_evaluate_logs_equal_keras_own_reads():
     """The same training with Keras' own eager reads gives the same history and evaluation."""
 
@@ -176,6 +179,7 @@ class OwnMetricsResult(keras.Sequential):
         return {**super().get_metrics_result(), "own": 1.0}
 
 
+@pytest.mark.slow
 def test_a_model_class_that_overrides_the_reads_keeps_its_own():
     strategy = tfdp.make_strategy(cpu_replicas=2)
     with strategy.scope():
@@ -186,6 +190,7 @@ def test_a_model_class_that_overrides_the_reads_keeps_its_own():
     assert history.history["own"] == [1.0]
 
 
+@pytest.mark.slow
 def test_a_second_tfdp_compile_replaces_the_installed_reads(counted):
     model, _, _ = counted
     first = model.get_metrics_result.__self__

@@ -232,6 +232,7 @@ def _compiled(strategy, **kwargs):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps, steps_per_execution", [(1, 1), (2, 2)])
 def test_fit_skips_a_nan_batch_on_one_replica_like_a_run_without_it(accum_steps,
                                                                       steps_per_execution):
@@ -261,6 +262,7 @@ def _assert_checkpoints_finite(directory: Path):
                 assert np.isfinite(value).all(), (path, name)
 
 
+@pytest.mark.slow
 def test_fit_stops_after_the_limit_and_backups_stay_finite(tmp_path):
     strategy = tfdp.make_strategy(cpu_replicas=2)
     good = _compiled(strategy)
@@ -279,6 +281,7 @@ def test_fit_stops_after_the_limit_and_backups_stay_finite(tmp_path):
     _assert_checkpoints_finite(tmp_path / "backup")
 
 
+@pytest.mark.slow
 def test_fit_without_handling_never_backs_up_non_finite_weights(tmp_path):
     model = _compiled(tfdp.make_strategy(cpu_replicas=2), nonfinite=None)
     assert not isinstance(model.optimizer, nonfinite.NonFiniteGuard)
@@ -290,6 +293,7 @@ def test_fit_without_handling_never_backs_up_non_finite_weights(tmp_path):
     _assert_checkpoints_finite(tmp_path / "backup")
 
 
+@pytest.mark.slow
 def test_fit_under_mixed_float16_skips_and_counts():
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -313,6 +317,7 @@ def test_compile_refuses_invalid_nonfinite_arguments(kwargs, match):
         _compiled(tfdp.make_strategy("default"), **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["skip", None])
 def test_mixed_float16_decides_from_the_reduced_gradients_in_every_mode(mode):
     # One path owns the decision under loss scaling: the scaled gradients are

@@ -103,6 +103,7 @@ def assert_same_state(strategy, sharded_model, plain_model):
         np.testing.assert_array_equal(np.concatenate(copies)[size:], 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas, optimizer", [
     (2, "sgd_momentum"), (2, "adam"), (2, "adamw"), (2, "lars"), (4, "lamb"),
 ])
@@ -114,6 +115,7 @@ def test_fit_equals_unsharded_training(strategies, replicas, optimizer):
     assert_same_state(strategy, sharded, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", [
     lambda: {"accum_steps": 2},
     lambda: {"gradient_compression": tfdp.compression.PowerSGD(rank=1, min_compression_ratio=1)},
@@ -126,6 +128,7 @@ def test_composes_with_accumulation_compression_and_the_guard(strategies, option
     assert_same_state(strategy, sharded, plain)
 
 
+@pytest.mark.slow
 def test_mixed_precision_equals_unsharded_training(strategies):
     strategy = strategies[2]
     keras.config.set_dtype_policy("mixed_float16")
@@ -152,6 +155,7 @@ def train(strategy, sharded, model_dir=None, steps=STEPS, optimizer="adam"):
     return model
 
 
+@pytest.mark.slow
 def test_trainer_equals_unsharded_training_and_resumes_exactly(strategies, tmp_path):
     """Stopped at step 3 and resumed, the sharded run ends as the unsharded one."""
     strategy = strategies[2]
@@ -164,6 +168,7 @@ def test_trainer_equals_unsharded_training_and_resumes_exactly(strategies, tmp_p
     assert_same_state(strategy, resumed, plain)
 
 
+@pytest.mark.slow
 def test_each_replica_holds_its_share(strategies):
     strategy = strategies[4]
     model = fit(strategy, "adam", True)
@@ -221,6 +226,7 @@ def test_config_round_trip():
     assert again.shards_optimizer_state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before, after, optimizer", [
     (4, 2, "adam"), (2, 1, "adam"), (1, 2, "adam"), (2, 4, "lamb"),
 ])
@@ -236,6 +242,7 @@ def test_resume_on_another_replica_count_repartitions_the_state(
     assert_same_state(strategy(after), resumed, plain)
 
 
+@pytest.mark.slow
 def test_resume_with_error_memories_on_another_replica_count_is_refused(strategies, tmp_path):
     """Error-feedback memories cannot be split: refused before anything changes."""
     model_dir = tmp_path / "run"
@@ -264,6 +271,7 @@ def test_resume_with_error_memories_on_another_replica_count_is_refused(strategi
     np.testing.assert_array_equal(model.get_weights()[0], INITIAL[0])
 
 
+@pytest.mark.slow
 def test_weights_gathered_in_several_buckets_equal_one(strategies, monkeypatch):
     """With a 32-byte bound every variable is gathered on its own: the same result."""
     from tfdp.distribute import optimizer_sharding
@@ -276,6 +284,7 @@ def test_weights_gathered_in_several_buckets_equal_one(strategies, monkeypatch):
     assert_same_state(strategy, sharded, plain)
 
 
+@pytest.mark.slow
 def test_gradients_reach_the_chunks_by_all_to_all_and_are_never_all_reduced(strategies,
                                                                             monkeypatch):
     """Each replica sends its chunks for replica j to j and sums what it receives.
@@ -312,6 +321,7 @@ def test_gradients_reach_the_chunks_by_all_to_all_and_are_never_all_reduced(stra
     assert sent == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_on", [4, 1])
 def test_keras_file_holds_the_unsharded_state_and_loads_on_any_replica_count(
         strategies, tmp_path, load_on):
@@ -328,6 +338,7 @@ def test_keras_file_holds_the_unsharded_state_and_loads_on_any_replica_count(
     assert_same_state(strategy, loaded, plain)
 
 
+@pytest.mark.slow
 def test_another_optimizers_state_on_another_replica_count_is_refused_unchanged(
         strategies, tmp_path):
     model_dir = str(tmp_path / "run")

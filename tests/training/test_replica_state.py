@@ -64,6 +64,7 @@ METHODS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
 def test_resume_at_a_checkpoint_equals_an_uninterrupted_run(two_replicas, tmp_path, method):
     straight = run(two_replicas, tmp_path / "straight", STEPS, **METHODS[method]())
@@ -76,6 +77,7 @@ def test_resume_at_a_checkpoint_equals_an_uninterrupted_run(two_replicas, tmp_pa
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_without_the_replica_files_the_resumed_run_differs(two_replicas, tmp_path):
     """The check above can fail: the chief's copy alone does not resume Top-K exactly."""
     straight = run(two_replicas, tmp_path / "straight", STEPS, **METHODS["topk"]())
@@ -93,6 +95,7 @@ def test_old_steps_are_dropped_with_the_checkpoints(two_replicas, tmp_path):
     assert os.listdir(tmp_path / replica_state.SUBDIRECTORY) == [f"ckpt-{STEPS}"]
 
 
+@pytest.mark.slow
 def test_files_of_another_layout_are_refused(two_replicas, tmp_path):
     run(two_replicas, tmp_path, STOP_AT, **METHODS["topk"]())
     step_dir = tmp_path / replica_state.SUBDIRECTORY / f"ckpt-{STOP_AT}"
@@ -104,6 +107,7 @@ def test_files_of_another_layout_are_refused(two_replicas, tmp_path):
         run(two_replicas, tmp_path, STEPS, **METHODS["powersgd"]())
 
 
+@pytest.mark.slow
 def test_backup_and_restore_deletes_the_replica_files(two_replicas, tmp_path):
     with two_replicas.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])

@@ -82,6 +82,7 @@ def strategy():
     return tfdp.make_strategy(cpu_replicas=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_synchronized_bn_on_2_replicas_equals_one_device_on_the_global_batch(strategy, loop):
     _assert_close(_train(strategy, loop=loop, synchronized=True), _one_device(loop=loop))
@@ -94,6 +95,7 @@ def test_the_replicas_halves_differ_so_per_replica_statistics_would_not_pass():
     assert np.all(halves[:, 1].std(axis=1) > 1.5 * halves[:, 0].std(axis=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_with_accumulation_the_statistics_are_each_micro_batch(strategy, loop):
     accum_steps = 2

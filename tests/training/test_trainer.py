@@ -84,6 +84,7 @@ def _global_batches(global_batch=GLOBAL_BATCH):
     return tf.data.Dataset.from_tensor_slices(_arrays()).batch(global_batch, drop_remainder=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas, accum_steps, steps_per_loop, regularized",
     [(1, 1, 1, False), (2, 1, 3, False), (2, 2, 2, True), (4, 1, 6, False)],
@@ -169,6 +170,7 @@ def _dataset_for_epoch(epoch):
     ).batch(GLOBAL_BATCH, drop_remainder=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas, learning_rate", [(1, "constant"), (2, "constant"), (2, "warmup_cosine")]
 )
@@ -244,6 +246,7 @@ def _as_non_chief(monkeypatch, strategy):
     monkeypatch.setattr(strategy_info_lib, "strategy_info", lambda strategy=None: info)
 
 
+@pytest.mark.slow
 def test_chief_logs_the_strategy_and_the_batch_at_start(caplog):
     strategy = tfdp.make_strategy(cpu_replicas=2)
     trainer = _trainer(strategy, accum_steps=2)
@@ -259,6 +262,7 @@ def test_chief_logs_the_strategy_and_the_batch_at_start(caplog):
     assert "MirroredStrategy" in strategy_line and "2 replica(s) in sync" in strategy_line
 
 
+@pytest.mark.slow
 def test_non_chief_logs_nothing_and_leaves_no_files(tmp_path, monkeypatch, caplog):
     strategy = tfdp.make_strategy(cpu_replicas=2)
     _as_non_chief(monkeypatch, strategy)
@@ -333,6 +337,7 @@ def test_chief_checkpoint_goes_to_model_dir(tmp_path):
     np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "accum_steps, global_batch",
     [(4, GLOBAL_BATCH), (1, GLOBAL_BATCH // 4)],  # the second: one step per micro-batch
@@ -353,6 +358,7 @@ def test_one_gradient_all_reduce_per_optimizer_step(accum_steps, global_batch):
             np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_steps_are_not_converted_by_autograph_as_in_keras_fit(monkeypatch):
     """A converted function runs from AutoGraph's generated copy, not from its own file."""
     import inspect
@@ -445,6 +451,7 @@ def test_argument_errors(tmp_path):
         trainer.train(_global_batches().repeat(), epochs=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_trains_without_nans(policy):
     keras.config.set_dtype_policy(policy)
@@ -460,6 +467,7 @@ def test_mixed_precision_trains_without_nans(policy):
         keras.config.set_dtype_policy("float32")
 
 
+@pytest.mark.slow
 def test_jit_compiled_trainer_matches_keras_fit():
     reference = _keras_reference(epochs=1)
     trainer = _trainer(tfdp.make_strategy("default"), accum_steps=2, jit_compile=True)
@@ -473,6 +481,7 @@ def test_jit_compile_on_several_cpu_replicas_is_refused_with_the_reason():
         _trainer(tfdp.make_strategy(cpu_replicas=2), jit_compile=True)
 
 
+@pytest.mark.slow
 def test_a_dataset_batched_per_replica_is_refused_before_any_step(tmp_path):
     strategy = tfdp.make_strategy(cpu_replicas=2)
     trainer = _trainer(strategy, model_dir=str(tmp_path))

@@ -64,6 +64,7 @@ def _assert_weights_equal(got, want, atol=1e-6):
 # --- SIGTERM ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas, accum_steps, steps_per_loop, checkpoint_every, calls, stopped_at",
     [
@@ -207,6 +208,7 @@ def _replica_values(strategy, variable):
     return [np.asarray(v.numpy()) for v in strategy.experimental_local_results(variable.value)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps, steps_per_loop, nan_value",
                          [(1, 1, np.nan), (2, 4, np.inf)])
 def test_a_nan_on_one_replica_is_skipped_by_every_replica(tmp_path, accum_steps, steps_per_loop,
@@ -246,6 +248,7 @@ def _assert_checkpoints_finite(model_dir: Path):
                 assert np.isfinite(value).all(), (path, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nonfinite, limit, steps_per_loop, checkpoint_every",
     [

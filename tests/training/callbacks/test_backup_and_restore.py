@@ -101,6 +101,7 @@ def _progress(directory: Path) -> dict:
     return {"path": os.path.basename(path), **values}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 def test_resumes_mid_epoch_at_the_exact_step(config, tmp_path):
     options = CONFIGS[config]
@@ -148,6 +149,7 @@ def test_resumes_mid_epoch_at_the_exact_step(config, tmp_path):
     assert not backup_dir.exists()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_with_42(tmp_path):
     strategy = _strategy(1)
     want, _ = bt.reference_weights(strategy)
@@ -179,6 +181,7 @@ def test_sigterm_saves_the_current_step_and_exits_with_42(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.slow
 def test_plain_dataset_resumes_at_epoch_granularity(tmp_path):
     """Without wrap: epoch backups only, and SIGTERM mid-epoch keeps the last one."""
     strategy = _strategy(1)

@@ -45,6 +45,7 @@ def _model():
     return bt.compile_model(bt.build_model())
 
 
+@pytest.mark.slow
 def test_keras_backup_and_restore_still_restarts_the_epoch_at_batch_0(tmp_path):
     """Why tfdp has its own callback. If this fails, Keras resumes mid-epoch itself."""
     dataset = bt.dataset_for_epoch(0)
@@ -69,6 +70,7 @@ def test_keras_data_adapters_have_no_iterator_state_hook_yet():
     assert not hasattr(data_adapter.DataAdapter, "set_iterator_state")
 
 
+@pytest.mark.slow
 def test_without_the_patch_every_epoch_starts_at_batch_0():
     """`EpochIterator` numbers steps from 0 and ignores where an epoch should start."""
     model = _model()
@@ -139,6 +141,7 @@ def test_backup_and_restore_refuses_mid_epoch_resume_on_a_keras_it_does_not_patc
     assert keras_fit_resume.install()
 
 
+@pytest.mark.slow
 def test_fit_class_weight_reaches_a_wrapped_input_as_keras_applies_it(tmp_path):
     """Keras drops `class_weight` for a DataAdapter input; the patch hands it over."""
     import numpy as np

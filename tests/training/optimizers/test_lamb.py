@@ -214,6 +214,7 @@ def test_config_round_trip_and_registered_serialisation():
     assert isinstance(restored, LAMB) and restored.get_config() == config
 
 
+@pytest.mark.slow
 def test_saved_model_with_warmup_schedule_loads_and_resumes(tmp_path):
     """A `.keras` file restores the optimizer, its schedule and its moments."""
     rng = np.random.default_rng(4)
@@ -288,6 +289,7 @@ def test_custom_loop_under_mirrored_strategy_matches_reference(mirrored):
     assert_changes_match(model, w0, expected)
 
 
+@pytest.mark.slow
 def test_fit_two_replicas_equals_one_device(mirrored):
     rng = np.random.default_rng(6)
     x = rng.normal(size=(16, 3)).astype("float32")

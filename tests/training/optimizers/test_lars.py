@@ -228,6 +228,7 @@ def test_config_round_trip_and_registered_serialisation():
     assert restored.get_config() == config
 
 
+@pytest.mark.slow
 def test_saved_model_with_warmup_schedule_loads_and_resumes(tmp_path):
     """A `.keras` file restores the optimizer, its schedule and its state."""
     rng = np.random.default_rng(3)
@@ -311,6 +312,7 @@ def test_custom_loop_under_mirrored_strategy_matches_reference(mirrored):
     assert_changes_match(model, w0, expected)
 
 
+@pytest.mark.slow
 def test_fit_two_replicas_equals_one_device(mirrored):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(16, 3)).astype("float32")
