@@ -59,6 +59,8 @@ _TIMEOUT_SCALE = flags.DEFINE_float(
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    if _QUICK.value and _SMOKE.value:
+        raise app.UsageError("--quick and --smoke are two sizes of the suite: pass one of them.")
     from tfdp.bench import report
     from tfdp.bench import suite
 
@@ -74,8 +76,6 @@ def main(argv) -> None:
             overrides[name] = flag.value
     if _CASES.value is not None:
         overrides["cases"] = tuple(_CASES.value)
-    if _QUICK.value and _SMOKE.value:
-        raise app.UsageError("--quick and --smoke are two sizes of the suite: pass one of them.")
     try:
         if _SMOKE.value:
             config = suite.SuiteConfig.smoke_config(**overrides)

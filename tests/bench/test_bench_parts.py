@@ -556,3 +556,27 @@ def test_time_to_accuracy_gives_both_peers_the_same_threads(monkeypatch):
     assert [(job, spec["threads"]) for job, spec in specs] == [
         ("time_to_accuracy_tfdp", 1), ("time_to_accuracy_torch", 1),
         ("time_to_accuracy_tfdp", 2), ("time_to_accuracy_torch", 2)]
+
+
+def test_smoke_config_keeps_every_case_and_path_of_quick_at_smaller_sizes():
+    quick, smoke = suite.SuiteConfig.quick_config(), suite.SuiteConfig.smoke_config()
+    assert (smoke.cases, smoke.paths, smoke.tta_methods, smoke.tta_hooks) == (
+        quick.cases, quick.paths, quick.tta_methods, quick.tta_hooks)
+    assert (smoke.accum_steps, smoke.accum_rounds, smoke.all_reduce_sizes) == (
+        quick.accum_steps, quick.accum_rounds, quick.all_reduce_sizes)
+    assert smoke.steps * smoke.per_replica_batch < quick.steps * quick.per_replica_batch
+    assert smoke.predict_examples < quick.predict_examples
+    assert suite.SuiteConfig.smoke_config(steps=8).steps == 8
+
+
+def test_the_command_line_refuses_quick_and_smoke_together_before_importing_tensorflow():
+    import subprocess
+
+    code = ("import sys\nfrom tfdp.bench import __main__ as bench\n"
+            "sys.argv = ['tfdp-bench', '--quick', '--smoke']\n"
+            "try:\n    bench.run()\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'tensorflow' in sys.modules)")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=60)
+    assert "--quick and --smoke are two sizes of the suite" in completed.stderr, completed.stderr
+    assert completed.stdout.split() == ["exit", "1", "False"], completed.stdout
