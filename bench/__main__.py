@@ -21,7 +21,7 @@ from absl import app
 from absl import flags
 
 _OUT_DIR = flags.DEFINE_string("out_dir", "bench_results", "Where the three result files go.")
-_QUICK = flags.DEFINE_boolean("quick", False, "Every case with a few steps (smoke test).")
+_QUICK = flags.DEFINE_boolean("quick", False, "Every case with a few steps each.")
 _SMOKE = flags.DEFINE_boolean(
     "smoke", False, "Every case and path of --quick at the smallest sizes: checks that the "
     "suite runs here (a few minutes); its figures measure nothing.")
@@ -35,10 +35,10 @@ _STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", None, "N: steps_per_execution / steps_per_loop. Defaults to 10 "
     "(2 with --smoke).", lower_bound=1)
 _REPEATS = flags.DEFINE_integer(
-    "repeats", None, "Timed calls per path per launch. Defaults to 3 (1 with --quick).",
+    "repeats", None, "Timed calls per path per launch. Defaults to 3 (1 with --quick or --smoke).",
     lower_bound=1)
 _ROUNDS = flags.DEFINE_integer(
-    "rounds", None, "Launches per worker count, alternating. Defaults to 2 (1 with --quick).",
+    "rounds", None, "Launches per worker count, alternating. Defaults to 2 (1 with --quick or --smoke).",
     lower_bound=1)
 _LINK = flags.DEFINE_float(
     "link_gbytes_per_second", None,
