@@ -5,6 +5,7 @@ No timing is asserted anywhere: only that the pieces fit together.
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -570,8 +571,6 @@ def test_smoke_config_keeps_every_case_and_path_of_quick_at_smaller_sizes():
 
 
 def test_the_command_line_refuses_quick_and_smoke_together_before_importing_tensorflow():
-    import subprocess
-
     code = ("import sys\nfrom tfdp.bench import __main__ as bench\n"
             "sys.argv = ['tfdp-bench', '--quick', '--smoke']\n"
             "try:\n    bench.run()\nexcept SystemExit as e:\n"

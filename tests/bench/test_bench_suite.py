@@ -22,8 +22,9 @@ from tfdp.bench import suite
 from tfdp.bench import targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# --quick took 404 s on an idle 2-core Intel Xeon (family 6 model 207) on
-# 2026-11-27; --smoke launches as many processes; leave room for a busy machine.
+# --smoke took 283 s in a clean-clone CI run on an idle 2-core Intel Xeon (family
+# 6 model 207) on 2026-11-27 (--quick: 411 s), most of it launches; leave room
+# for a busy machine.
 TIMEOUT_SECONDS = 1200
 
 
