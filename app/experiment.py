@@ -243,10 +243,15 @@ def train_and_evaluate(
         return build_dataset(TRAIN, training=True, strategy=strategy, batch=batch,
                              seed=epoch_seed(config.seed, epoch))[0]
 
+    # One dataset for every epoch where the pipeline can carry them all
+    # (make_dataset's epoch_stream): one iterator for the whole run, no
+    # pipeline build, iterator or iterator teardown per epoch.
+    stream = train_data if getattr(train_data, "streams_epochs", False) else None
     train_started = time.perf_counter()
     if config.loop == "fit":
         train_logs, examples_per_second = _train_with_fit(
-            config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch, info
+            config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch, info,
+            stream=stream,
         )
         eval_model = model
         steps = _training_steps(model.optimizer)
@@ -262,8 +267,8 @@ def train_and_evaluate(
             shard_optimizer_state=config.shard_optimizer_state,
         )
 
-        result = trainer.train(dataset_for_epoch, epochs=config.epochs,
-                               steps_per_epoch=steps_per_epoch)
+        result = trainer.train(dataset_for_epoch if stream is None else stream,
+                               epochs=config.epochs, steps_per_epoch=steps_per_epoch)
         examples_per_second = result.pop("examples_per_second")
         steps = int(result.pop("steps"))
         result.pop("epochs")
@@ -402,7 +407,7 @@ def _restore_finished_run(config, model, info, total_steps: int) -> bool:
 
 
 def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch,
-                    info):
+                    info, *, stream=None):
     """`model.fit` through `tfdp.compile`; resumable from `model_dir/backup`.
 
     With a `model_dir`, `tfdp.callbacks.BackupAndRestore` backs the run up
@@ -436,7 +441,8 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
     if config.model_dir:
         backup = BackupAndRestore(os.path.join(config.model_dir, "backup"),
                                   save_freq=config.checkpoint_every or "epoch")
-        fit_input, fit_steps = backup.wrap(dataset_for_epoch, steps_per_epoch=steps_per_epoch), None
+        fit_input, fit_steps = backup.wrap(
+            dataset_for_epoch if stream is None else stream, steps_per_epoch=steps_per_epoch), None
         callbacks.append(backup)
     # On a terminal, Keras' progress bar; otherwise (under tfdp-launch) a line
     # every --log_every steps instead of one per epoch. Scalars either way.

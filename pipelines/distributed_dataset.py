@@ -190,7 +190,14 @@ def make_dataset(
         A `tf.distribute.DistributedDataset` (a `tf.data.Dataset` under the
         default strategy) with attributes `pipeline_info` (a `pipelines.PipelineInfo`),
         `steps_per_epoch` and `num_examples`. Its `cardinality` is
-        `steps_per_epoch` (infinite for an endless source).
+        `steps_per_epoch` (infinite for an endless source). Also
+        `start_at_batch(b)` (this epoch from global batch `b` on),
+        `streams_epochs` and `epoch_stream(epoch, batch=0, *,
+        steps_per_epoch=None, num_epochs=None)`: every epoch from `(epoch,
+        batch)` on in one dataset, epoch `e` in an order that depends only
+        on `seed` and `e` (training with a `seed` on a source that addresses
+        its examples, `drop_remainder`); `tfdp.Trainer.train(dataset)` and
+        `BackupAndRestore.wrap(dataset)` run a whole run on one iterator of it.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -270,7 +277,41 @@ def make_dataset(
         options = tf.distribute.InputOptions(
             experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA
         )
-    return _distribute(pipeline, strategy, options, start_batch=0)
+    dataset = _distribute(pipeline, strategy, options, start_batch=0)
+    info = dataset.pipeline_info
+    dataset.streams_epochs = pipeline.streams_epochs(
+        info.num_input_pipelines, strategy.num_replicas_in_sync)
+
+    def epoch_stream(first_epoch: int, start_batch: int = 0, *,
+                     steps_per_epoch: int | None = None, num_epochs: int | None = None):
+        """Every epoch from `first_epoch` on (or `num_epochs` of them), entered at
+        global batch `start_batch`, in one distributed dataset (only where
+        `streams_epochs` is True).
+
+        Epoch `e` is `steps_per_epoch` global batches (default: the
+        dataset's) in an order that depends only on `seed` and `e`: what
+        `tfdp.callbacks.BackupAndRestore.wrap(dataset)` iterates, one
+        iterator for a whole `fit`.
+        """
+        _checks.check_int("first_epoch", first_epoch, minimum=0)
+        _checks.check_int("start_batch", start_batch, minimum=0)
+        _checks.check_int("steps_per_epoch", steps_per_epoch, minimum=1, allow_none=True)
+        if not dataset.streams_epochs:
+            raise ValueError(
+                "This dataset cannot carry many epochs in one iterator: that needs "
+                "training=True with a `seed`, drop_remainder, and a source that "
+                "addresses its examples (not `cache`). Iterate it once per epoch instead."
+            )
+        stream = strategy.distribute_datasets_from_function(
+            pipeline.epochs_at(first_epoch, start_batch, steps_per_epoch=steps_per_epoch,
+                               num_epochs=num_epochs), options)
+        stream.pipeline_info = info
+        stream.steps_per_epoch = steps_per_epoch or info.steps_per_epoch
+        stream.num_examples = info.num_examples
+        return stream
+
+    dataset.epoch_stream = epoch_stream
+    return dataset
 
 
 def _distribute(pipeline: pipeline_lib.InputPipeline, strategy, options, *, start_batch: int):

@@ -27,6 +27,7 @@ import tensorflow as tf
 from absl import logging
 
 import tfdp
+from tfdp import _checks
 from tfdp.pipelines import sharding
 from tfdp.pipelines.pipeline_info import PipelineInfo
 from tfdp.pipelines import seekable_order
@@ -285,20 +286,24 @@ class InputPipeline:
         residue = None
         if plan.mode == "data":
             residue = seekable_order.Residue(index, num_pipelines)
+        return self._seekable_order(plan, index, num_pipelines, residue, seed).dataset(
+            start, stop)
+
+    def _seekable_order(self, plan, index: int, num_pipelines: int, residue, seed: int | None
+                        ) -> seekable_order.SeekableOrder:
+        """This pipeline's `SeekableOrder` (see `seekable`)."""
         common = dict(residue=residue, shuffle=self.shuffle, unit_seed=self.seed,
                       example_seed=seed, window_examples=SHUFFLE_BUFFER)
         example_at = self.source.example_at(self.split)
         if example_at is not None:
-            order = seekable_order.SeekableOrder(
+            return seekable_order.SeekableOrder(
                 num_examples=self.source.num_examples(self.split), example_at=example_at,
                 **common)
-        else:
-            files = self.source.record_files(self.split)
-            if plan.mode == "file":
-                files = files[index::num_pipelines]
-            order = seekable_order.SeekableOrder(
-                files=files, parse=self.source.parse_record(self.split), **common)
-        return order.dataset(start, stop)
+        files = self.source.record_files(self.split)
+        if plan.mode == "file":
+            files = files[index::num_pipelines]
+        return seekable_order.SeekableOrder(
+            files=files, parse=self.source.parse_record(self.split), **common)
 
     def _read_examples(self, plan, input_context, index: int, num_pipelines: int, size: int,
                        start: int, stop: int, seed: int | None) -> tf.data.Dataset:
@@ -331,6 +336,96 @@ class InputPipeline:
         seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
         dataset = tf.data.Dataset.zip((dataset, seeds))
         return dataset.skip(start) if start else dataset
+
+    def streams_epochs(self, num_pipelines: int, num_replicas: int) -> bool:
+        """Whether `build_epochs` can carry many epochs in one dataset here.
+
+        It needs the seekable order (`seekable`) keyed by a `seed`, and whole
+        global batches (`drop_remainder`, a finite epoch)."""
+        plan, info = self.plan(num_pipelines, num_replicas)
+        return (self.seekable(plan.mode) and self.seed is not None and self.drop_remainder
+                and info.steps_per_epoch is not None)
+
+    def epochs_at(self, first_epoch: int, start_batch: int = 0, *,
+                  steps_per_epoch: int | None = None, num_epochs: int | None = None
+                  ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+        """The `dataset_fn` of the epochs from `(first_epoch, start_batch)` on, in one
+        dataset (`build_epochs`)."""
+        return functools.partial(self.build_epochs, first_epoch=first_epoch,
+                                 start_batch=start_batch, steps_per_epoch=steps_per_epoch,
+                                 num_epochs=num_epochs)
+
+    def build_epochs(self, input_context: tf.distribute.InputContext, *, first_epoch: int,
+                     start_batch: int = 0, steps_per_epoch: int | None = None,
+                     num_epochs: int | None = None) -> tf.data.Dataset:
+        """One input pipeline's batches of epochs `first_epoch, first_epoch + 1, ...`,
+        entered at global batch `start_batch` of the first, in one dataset: endless,
+        or `num_epochs` epochs.
+
+        Each epoch is `steps_per_epoch` global batches (default: all the
+        split holds; fewer take the first ones of each epoch's order, this
+        pipeline's share of them) in the order `seekable_order.SeekableOrder.epoch_dataset`
+        gives epoch `e`: a function of the seed and `e`, so a run resumed at
+        `(e, b)` continues with exactly the batches of the uninterrupted one,
+        and one iterator serves a whole `fit` (no per-epoch pipeline build,
+        iterator, or iterator teardown). Every epoch's batch count is still
+        asserted. Only where `streams_epochs` holds.
+        """
+        num_pipelines = input_context.num_input_pipelines
+        index = input_context.input_pipeline_id
+        num_replicas = input_context.num_replicas_in_sync
+        if not self.streams_epochs(num_pipelines, num_replicas):
+            raise ValueError(
+                f"{self.source.name}/{self.split}: one dataset can carry many epochs only "
+                f"for training with a seed, drop_remainder and a source that addresses its "
+                f"examples (uncached, shard_policy other than 'off' by context). Build one "
+                f"dataset per epoch instead.")
+        plan, info = self.plan(num_pipelines, num_replicas)
+        self.last_info = info
+        if index == 0 and not (first_epoch or start_batch):
+            self._log_plan(info)
+        steps = info.steps_per_epoch
+        if steps_per_epoch is not None:
+            if not 0 < steps_per_epoch <= steps:
+                raise ValueError(
+                    f"`steps_per_epoch` must be in [1, {steps}] (the global batches the "
+                    f"split holds). Received: steps_per_epoch={steps_per_epoch}")
+            steps = steps_per_epoch
+        _checks.check_int("first_epoch", first_epoch, minimum=0)
+        if not 0 <= start_batch <= steps:
+            raise ValueError(
+                f"`start_batch` must be in [0, {steps}] (the steps of an epoch). "
+                f"Received: start_batch={start_batch}")
+        per_replica = self.batch.replica_batch
+        replicas_fed = num_replicas // num_pipelines
+        examples_per_step = per_replica * replicas_fed
+        seed = self.seed + 1_000_003 * index
+        stop = steps * examples_per_step
+        residue = seekable_order.Residue(index, num_pipelines) if plan.mode == "data" else None
+        order = self._seekable_order(plan, index, num_pipelines, residue, seed)
+        first_start = start_batch * examples_per_step
+
+        def one_epoch(epoch):
+            start = tf.where(epoch == first_epoch, tf.constant(first_start, tf.int64),
+                             tf.constant(0, tf.int64))
+            examples = self._apply_preprocess(order.epoch_dataset(epoch, start, stop))
+            batches = examples.batch(per_replica, drop_remainder=True,
+                                     num_parallel_calls=tf.data.AUTOTUNE,
+                                     deterministic=self.deterministic)
+            # A miscount (a source whose metadata lies) fails at that epoch's
+            # end instead of shifting every later epoch.
+            return batches.apply(tf.data.experimental.assert_cardinality(
+                (stop - start) // per_replica))
+
+        _checks.check_int("num_epochs", num_epochs, allow_none=True)
+        last = 2**62 if num_epochs is None else first_epoch + num_epochs
+        dataset = tf.data.Dataset.range(first_epoch, last).flat_map(one_epoch)
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)  # see `build`
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF
+        )
+        return dataset.with_options(options)
 
     def build(self, input_context: tf.distribute.InputContext, start_batch: int = 0
               ) -> tf.data.Dataset:

@@ -41,6 +41,12 @@ iteration of one dataset object (reshuffled each epoch), and random without
 a seed. They depend on TensorFlow's global seed as any op-seeded random op
 does (`tf.random.set_seed`, `keras.utils.set_random_seed`): set it alike in
 the runs that must agree, or not at all.
+
+`epoch_dataset(epoch, ...)` keys the same order by the epoch instead
+(`tf.random.stateless_uniform` of the seed and `epoch`, whatever the global
+seed): epoch `e` is the same in every build, so one dataset can carry many
+epochs (`InputPipeline.build_epochs`, `make_dataset(...).epoch_stream`) and a
+resume enters it at any `(epoch, position)`. It needs a seed.
 """
 
 from __future__ import annotations
@@ -73,6 +79,18 @@ def _keys(seed: int | None, count: int, stream: int) -> tf.data.Dataset:
         _plain(lambda r: tf.random.stateless_uniform(
             [count], tf.stack([r, tf.constant(stream, tf.int64)]), minval=None, maxval=None,
             dtype=tf.int64)))
+
+
+def _epoch_keys(seed: int, epoch: tf.Tensor, count: int, stream: int) -> tf.Tensor:
+    """`count` int64 keys of `epoch` (a scalar int64 tensor): a function of
+    `(seed, epoch, stream)` alone, the same in every build and every process."""
+    return tf.random.stateless_uniform(
+        [count], tf.stack([tf.constant(seed, tf.int64), epoch * _STREAMS + stream]),
+        minval=None, maxval=None, dtype=tf.int64)
+
+
+#: Key sets drawn per epoch (`stream` < this): unit keys and example keys.
+_STREAMS = 4
 
 
 def _owned_before(position: tf.Tensor, residue: Residue | None) -> tf.Tensor:
@@ -179,13 +197,43 @@ class SeekableOrder:
             preprocessing seed: a key of the iteration and the example's
             position in this pipeline's epoch.
         """
-        residue = self._residue
-        shared_unit_key = residue is not None
-        unit_seed = self._unit_seed if shared_unit_key else self._example_seed
-        no_unit_key = shared_unit_key and self._unit_seed is None
-        unit_keys = _keys(0 if no_unit_key else unit_seed, 2, stream=1)
+        unit_seed, no_unit_key = self._unit_seed_of_order()
+        unit_keys = _keys(unit_seed, 2, stream=1)
         example_keys = _keys(self._example_seed, 3, stream=2)
         keys = tf.data.Dataset.zip(unit_keys, example_keys)
+        return keys.flat_map(self._iteration(start, stop, no_unit_key)).map(
+            _plain(self._decode), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    def epoch_dataset(self, epoch: tf.Tensor, start: tf.Tensor, stop: int) -> tf.data.Dataset:
+        """Stream positions `[start, stop)` of epoch `epoch`, keyed by the epoch.
+
+        As `dataset`, except that the keys are a function of the seeds and
+        `epoch` (scalar int64 tensors `epoch` and `start` may come from an
+        enclosing `flat_map`), not drawn anew per iteration: epoch `e` has
+        the same order in every build, so one dataset can carry many epochs
+        and a resumed one starts at any `(epoch, position)`. Needs
+        `example_seed` (without one, call `dataset` per epoch).
+        """
+        if self._example_seed is None:
+            raise ValueError("An epoch-keyed order needs a seed; without one, use `dataset`.")
+        unit_seed, no_unit_key = self._unit_seed_of_order()
+        epoch = tf.cast(epoch, tf.int64)
+        keys = tf.data.Dataset.from_tensors((_epoch_keys(unit_seed, epoch, 2, stream=1),
+                                             _epoch_keys(self._example_seed, epoch, 3, stream=2)))
+        return keys.flat_map(self._iteration(start, stop, no_unit_key)).map(
+            _plain(self._decode), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    def _unit_seed_of_order(self) -> tuple[int | None, bool]:
+        """The seed of the unit order, and whether the natural order is kept instead."""
+        shared_unit_key = self._residue is not None
+        no_unit_key = shared_unit_key and self._unit_seed is None
+        if no_unit_key:
+            return 0, True
+        return (self._unit_seed if shared_unit_key else self._example_seed), False
+
+    def _iteration(self, start, stop: int, no_unit_key: bool):
+        """`(unit_key, example_key) -> dataset` of one iteration's visited units."""
+        residue = self._residue
 
         @_plain
         def iteration(unit_key, example_key):
@@ -193,7 +241,7 @@ class SeekableOrder:
             owned_start = _owned_before(starts, residue)
             owned = _owned_before(starts + sizes, residue) - owned_start
             ends = owned_start + owned
-            first = tf.searchsorted(ends, tf.reshape(tf.constant(start, tf.int64), [1]),
+            first = tf.searchsorted(ends, tf.reshape(tf.convert_to_tensor(start, tf.int64), [1]),
                                     side="right", out_type=tf.int64)[0]
             windows = tf.data.Dataset.range(first, tf.size(ends, tf.int64)).filter(
                 _plain(lambda w: tf.logical_and(owned[w] > 0, owned_start[w] < stop)))
@@ -203,13 +251,11 @@ class SeekableOrder:
                 num_parallel_calls=1,  # the next window is read while this one is consumed
             ).prefetch(1).flat_map(_plain(self._window_examples))
 
-        stream = keys.flat_map(iteration)
-        return stream.map(_plain(self._decode), num_parallel_calls=tf.data.AUTOTUNE,
-                          deterministic=True)
+        return iteration
 
     def _window(self, w, units, window_start, owned, owned_start, start, stop, example_key):
         """What one window needs: its raw records (files), and which of them to visit."""
-        first = tf.maximum(tf.constant(start, tf.int64) - owned_start, 0)
+        first = tf.maximum(tf.convert_to_tensor(start, tf.int64) - owned_start, 0)
         last = tf.minimum(tf.constant(stop, tf.int64) - owned_start, owned)
         seed = tf.stack([example_key[0] + w, example_key[1]])
         if self._files is None:

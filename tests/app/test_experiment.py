@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from unittest import mock
 
 import keras
 import numpy as np
@@ -102,21 +103,24 @@ class _Interrupted(Exception):
 
 
 def _run(config, *, crash_at_epoch=None):
-    """Runs `config`; returns (summary, trained model). May raise `_Interrupted`."""
+    """Runs `config`; returns (summary, trained model). May raise `_Interrupted`
+    (`--loop=fit` only: when epoch `crash_at_epoch` begins)."""
     built = {}
-    build_dataset = train_cli._build_dataset(config)
-
-    def dataset(split, *, seed, **kwargs):
-        if crash_at_epoch is not None and seed == experiment.epoch_seed(config.seed,
-                                                                        crash_at_epoch):
-            raise _Interrupted()
-        return build_dataset(split, seed=seed, **kwargs)
 
     def model(name, **kwargs):
         built["model"] = _small_model(name, **kwargs)
         return built["model"]
 
-    summary = experiment.train_and_evaluate(config, build_dataset=dataset, build_model=model)
+    epoch_begin = experiment._EpochTimer.on_epoch_begin  # pylint: disable=protected-access
+
+    def crash_or_begin(self, epoch, logs=None):
+        if epoch == crash_at_epoch:
+            raise _Interrupted()
+        return epoch_begin(self, epoch, logs)
+
+    with mock.patch.object(experiment._EpochTimer, "on_epoch_begin", crash_or_begin):
+        summary = experiment.train_and_evaluate(
+            config, build_dataset=train_cli._build_dataset(config), build_model=model)
     return summary, built["model"]
 
 

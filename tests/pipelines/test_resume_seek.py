@@ -247,3 +247,58 @@ def test_a_tfds_split_slice_reads_only_its_records(digits_dir):
     images = np.concatenate([step[0][0] for step in collect(dataset, strategy)])
     want = np.stack([x for x, _ in source.read("train[10:30]").as_numpy_iterator()])
     assert sorted(map(bytes, images.reshape(20, -1))) == sorted(map(bytes, want.reshape(20, -1)))
+
+
+STREAM_CASES = [("tfrecord", "mirrored2"), ("indexed", "multiworker_local2"),
+                ("tfrecord", "default")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,strategy_name", STREAM_CASES,
+                         ids=[f"{k}-{s}" for k, s in STREAM_CASES])
+def test_one_stream_carries_every_epoch_and_enters_at_any_epoch_and_batch(
+        kind, strategy_name, id_files):
+    strategy = get_strategy(strategy_name)
+    reads, preprocessed = Counter(), Counter()
+    dataset = pipelines.make_dataset(
+        _source(kind, id_files, reads), strategy=strategy, global_batch=8, seed=5,
+        preprocess=lambda features, label: preprocessed(features, label))
+    assert dataset.streams_epochs
+    steps = dataset.steps_per_epoch  # 10
+    stream = real_ids(collect(dataset.epoch_stream(0, num_epochs=3), strategy))
+    epochs = [stream[e * steps * 8:(e + 1) * steps * 8] for e in range(3)]
+    assert len(stream) == 3 * steps * 8
+    for ids in epochs:  # each epoch: every example once, none of the dropped ones twice
+        assert len(ids) == len(set(ids)) == steps * 8
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != sorted(epochs[0])
+
+    # Entered at (epoch 1, batch 4), built anew: the rest of the same stream,
+    # and nothing before the position preprocessed (or parsed, or built).
+    reads.reset()
+    preprocessed.reset()
+    rest = real_ids(collect(dataset.epoch_stream(1, 4, num_epochs=2), strategy))
+    assert rest == stream[(steps + 4) * 8:]
+    assert preprocessed.count == reads.count == len(rest)
+    # Fewer steps per epoch: each epoch's first batches of the same order.
+    short = real_ids(collect(dataset.epoch_stream(1, steps_per_epoch=3, num_epochs=2),
+                             strategy))
+    assert short == epochs[1][:3 * 8] + epochs[2][:3 * 8]
+    # Endless without num_epochs.
+    endless = iter(dataset.epoch_stream(0))
+    for _ in range(3 * steps + 2):
+        next(endless)
+
+
+@pytest.mark.slow
+def test_a_stream_needs_a_seed_and_whole_batches(id_files):
+    strategy = get_strategy("default")
+    source = _tfrecord_ids(id_files, Counter())
+    for dataset in (pipelines.make_dataset(source, strategy=strategy, global_batch=8),
+                    pipelines.make_dataset(source, strategy=strategy, global_batch=8, seed=1,
+                                           drop_remainder=False)):
+        assert not dataset.streams_epochs
+        with pytest.raises(ValueError, match="needs training=True with a `seed`"):
+            dataset.epoch_stream(0)
+    seeded = pipelines.make_dataset(source, strategy=strategy, global_batch=8, seed=1)
+    with pytest.raises(ValueError, match=r"steps_per_epoch.*must be in \[1, 10\]"):
+        collect(seeded.epoch_stream(0, steps_per_epoch=11, num_epochs=1), strategy)

@@ -161,3 +161,126 @@ def test_a_late_resume_preprocesses_nothing_it_skips_and_ends_as_uninterrupted(l
     assert calls == len(rest) if loop == "trainer" else len(rest) <= calls <= 2 * len(rest)
     # Each example once per epoch, across the interruption.
     assert sorted(first.seen[:STOP_AT * GLOBAL_BATCH] + second.seen) == list(range(NUM_EXAMPLES))
+
+
+STREAM_EPOCHS, STREAM_EXECUTION = 3, 5  # 12 steps an epoch: executions of 5, 5 and 2
+
+
+class StreamInUse(keras.callbacks.Callback):
+    """Records, at every epoch's end, the iterator the wrapped input's epochs ran on."""
+
+    def __init__(self, fit_input):
+        super().__init__()
+        self.fit_input = fit_input
+        self.iterators = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.iterators.append(self.fit_input._stream_iterator)  # pylint: disable=protected-access
+
+
+def _fit_stream(strategy, recorder, backup_dir, seed, callbacks=()):
+    """`fit` on `backup.wrap(make_dataset(...))`: one dataset carries every epoch."""
+    model = _model(strategy, recorder, seed)
+    with strategy.scope():
+        tfdp.compile(model, optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=_loss(),
+                     steps_per_execution=STREAM_EXECUTION)
+    backup = BackupAndRestore(backup_dir, save_freq=STREAM_EXECUTION)
+    keras.utils.set_random_seed(0)
+    dataset = pipelines.make_dataset(Examples(), strategy=strategy, global_batch=GLOBAL_BATCH,
+                                     seed=10, preprocess=recorder.preprocess)
+    assert dataset.streams_epochs
+    fit_input = backup.wrap(dataset)
+    in_use = StreamInUse(fit_input)
+    model.fit(fit_input, epochs=STREAM_EPOCHS, verbose=0,
+              callbacks=[backup, in_use, *callbacks])
+    return model, in_use.iterators
+
+
+class InterruptAtStep(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= self.step:
+            raise Interrupted()
+
+
+@pytest.mark.slow
+def test_fit_on_one_epoch_stream_stops_each_epoch_at_its_end_and_resumes_exactly(tmp_path):
+    strategy = get_strategy("mirrored2")
+    straight, first, second = Recorder(), Recorder(), Recorder()
+    want, iterators = _fit_stream(strategy, straight, str(tmp_path / "straight"), seed=1)
+    # Every epoch ran on one iterator, and stopped at its own last batch
+    # though executions of 5 do not divide its 12 steps.
+    assert iterators[0] is not None and len(iterators) == STREAM_EPOCHS
+    assert all(i is iterators[0] for i in iterators)
+    assert int(want.optimizer.iterations.numpy()) == STREAM_EPOCHS * STEPS_PER_EPOCH
+    epochs = [straight.seen[e * NUM_EXAMPLES:(e + 1) * NUM_EXAMPLES]
+              for e in range(STREAM_EPOCHS)]
+    assert all(sorted(seen) == list(range(NUM_EXAMPLES)) for seen in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+
+    # Interrupted in epoch 1 (after its second execution, step 22), resumed by
+    # a fresh model from the last backup: the weights of the straight run.
+    with pytest.raises(Interrupted):
+        _fit_stream(strategy, first, str(tmp_path / "resumed"), seed=1,
+                    callbacks=[InterruptAtStep(STEPS_PER_EPOCH + 2 * STREAM_EXECUTION)])
+    got, _ = _fit_stream(strategy, second, str(tmp_path / "resumed"), seed=2)
+    assert int(got.optimizer.iterations.numpy()) == STREAM_EPOCHS * STEPS_PER_EPOCH
+    for w, g in zip(want.get_weights(), got.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    # The backup at step 20 was written at the end of the execution that
+    # reached it (step 22: epoch 1, batch 10), so the resumed run starts
+    # with a bounded execution of 2 steps, and trains on the straight run's
+    # examples from there on.
+    resumed_at = STEPS_PER_EPOCH + 2 * STREAM_EXECUTION
+    assert second.seen == straight.seen[resumed_at * GLOBAL_BATCH:]
+
+
+def _train_stream(strategy, recorder, model_dir, seed, steps):
+    """`Trainer.train(make_dataset(...))` with a seed: one stream for every epoch.
+
+    Returns the model and how many streams the call opened."""
+    model = _model(strategy, recorder, seed)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    trainer = tfdp.Trainer(model, optimizer=optimizer, loss=_loss(), strategy=strategy,
+                           batch=tfdp.BatchConfig.from_global(GLOBAL_BATCH, 2),
+                           model_dir=model_dir, checkpoint_every=STREAM_EXECUTION,
+                           steps_per_loop=STREAM_EXECUTION)
+    keras.utils.set_random_seed(0)
+    dataset = pipelines.make_dataset(Examples(), strategy=strategy, global_batch=GLOBAL_BATCH,
+                                     seed=10, preprocess=recorder.preprocess)
+    opened = []
+    epoch_stream = dataset.epoch_stream
+
+    def counted(*args, **kwargs):
+        opened.append(args)
+        return epoch_stream(*args, **kwargs)
+
+    dataset.epoch_stream = counted
+    trainer.train(dataset, steps=steps)
+    assert trainer.global_step == steps
+    return model, opened
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_every_epoch_on_one_stream_and_resumes_exactly(tmp_path):
+    strategy = get_strategy("mirrored2")
+    straight, first, second = Recorder(), Recorder(), Recorder()
+    total = STREAM_EPOCHS * STEPS_PER_EPOCH
+    want, opened = _train_stream(strategy, straight, str(tmp_path / "straight"), 1, total)
+    assert opened == [(0, 0)]
+    epochs = [straight.seen[e * NUM_EXAMPLES:(e + 1) * NUM_EXAMPLES]
+              for e in range(STREAM_EPOCHS)]
+    assert all(sorted(seen) == list(range(NUM_EXAMPLES)) for seen in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    # The fit test's order: the same dataset gives the same epochs either way.
+    stop = STEPS_PER_EPOCH + 2 * STREAM_EXECUTION  # epoch 1, batch 10: its last execution
+    _train_stream(strategy, first, str(tmp_path / "resumed"), 1, stop)
+    got, opened = _train_stream(strategy, second, str(tmp_path / "resumed"), 2, total)
+    assert opened == [(1, 2 * STREAM_EXECUTION)]
+    for w, g in zip(want.get_weights(), got.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    assert first.seen + second.seen == straight.seen

@@ -74,6 +74,39 @@ def _warn_unsupported_once() -> None:
         RuntimeWarning, stacklevel=3)
 
 
+class StepBound:
+    """An iterator handed to the train function with a cap on the steps it may take.
+
+    `tfdp._upstream.keras_fit_resume` yields one for the last execution of an
+    epoch that ends part-way through it, when one iterator carries every
+    epoch: the execution must stop at the epoch's end, not run on into the
+    next epoch's batches. Only tfdp's function takes it (`takes_step_bound`).
+    `next()` reads one batch, as Keras' symbolic build does of what the
+    epoch loop yields (not a tuple: Keras would take a tuple for a batch).
+
+    Args:
+        iterator: the distributed iterator.
+        steps: the most steps the execution may take.
+    """
+
+    def __init__(self, iterator, steps: int):
+        self.iterator = iterator
+        self.steps = steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.iterator)
+
+
+def takes_step_bound(model: keras.Model) -> bool:
+    """Whether `model.fit`'s train function honours a `StepBound`: tfdp's is
+    installed (`install`), so `make_train_function` builds it (or has)."""
+    method = vars(model).get("make_train_function")
+    return isinstance(method, functools.partial) and method.func is make_train_function
+
+
 def applies_to(model: keras.Model, *, tfdp_step: bool = False, step: str = "train_step") -> bool:
     """Whether `model`'s `step` returns its metrics' results (so logs can wait).
 
@@ -113,14 +146,14 @@ def _make_function(model: keras.Model, step_function):
     one_step_on_data = model._autoconvert_optionals(one_step_on_data)
 
     @tf.autograph.experimental.do_not_convert
-    def multi_step_on_iterator(iterator):
+    def multi_step_on_iterator(iterator, max_steps):
         def cond(step, next_inputs):
-            return tf.logical_and(step < steps_per_execution, next_inputs.has_value())
+            return tf.logical_and(step < max_steps, next_inputs.has_value())
 
         def body(step, next_inputs):
             one_step_on_data(next_inputs.get_value())
             next_inputs = tf.cond(
-                step + 1 < steps_per_execution,
+                step + 1 < max_steps,
                 iterator.get_next_as_optional,
                 lambda: next_inputs,
             )
@@ -139,8 +172,12 @@ def _make_function(model: keras.Model, step_function):
 
     def function(iterator):
         nonlocal keras_function
+        max_steps = steps_per_execution
+        if isinstance(iterator, StepBound):
+            iterator, max_steps = iterator.iterator, min(iterator.steps, steps_per_execution)
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            steps_run, logs = multi_step_on_iterator(iterator)
+            # A tensor, so that a bounded execution does not trace again.
+            steps_run, logs = multi_step_on_iterator(iterator, tf.constant(max_steps))
             if int(steps_run) == 0:
                 raise StopIteration
             return logs

@@ -349,9 +349,13 @@ class Trainer:
             dataset: a `tf.data.Dataset` of global batches, a distributed
                 dataset, or a callable `epoch -> dataset` (either kind). The
                 callable form resumes exactly mid-epoch: its order must depend
-                only on its seed and `epoch`. A plain dataset is iterated
-                again each epoch, which resumes exactly only if it yields the
-                same order every time. A resume enters the epoch at its
+                only on its seed and `epoch`. A `pipelines.make_dataset`
+                dataset with a `seed` (where its `streams_epochs` holds) gives
+                epoch `e` an order of its own that depends only on the seed
+                and `e`, and one iterator carries every epoch
+                (`epoch_stream`). Any other plain dataset is iterated again
+                each epoch, which resumes exactly only if it yields the same
+                order every time. A resume enters the epoch at its
                 batch: `pipelines.make_dataset`'s datasets seek there without
                 reading the batches before; any other dataset reads (and a
                 distributed one also copies) them, at most one epoch's worth
@@ -429,8 +433,10 @@ class Trainer:
             if until_end:
                 logs = self._train_epochs_until_end(dataset_for_epoch, global_step, total_steps)
             else:
+                # make_dataset(..., seed=...): one iterator over every epoch.
+                stream = dataset if getattr(dataset, "streams_epochs", False) else None
                 logs = self._train_steps(
-                    dataset_for_epoch, global_step, total_steps, steps_per_epoch)
+                    dataset_for_epoch, global_step, total_steps, steps_per_epoch, stream=stream)
         finally:
             self._heap.stop()
             if watcher is not None:
@@ -520,19 +526,32 @@ class Trainer:
             "examples_per_second": trained * self.batch.global_batch / elapsed if trained else 0.0,
         }
 
-    def _train_steps(self, dataset_for_epoch, global_step, total_steps, steps_per_epoch) -> dict:
+    def _train_steps(self, dataset_for_epoch, global_step, total_steps, steps_per_epoch, *,
+                     stream=None) -> dict:
+        """The loop for epochs of a known number of steps.
+
+        Each epoch iterates `dataset_for_epoch(epoch)`, entered at the
+        position; with `stream` (a dataset whose `epoch_stream` carries every
+        epoch in one dataset, `pipelines.make_dataset`'s), one iterator over
+        the stream from the position on serves every epoch instead.
+        """
         start_step, start_time = global_step, time.perf_counter()
         if self._monitor is not None:
             self._monitor.prime()
         logs: dict = {}
         checked = False
+        iterator = None
         while global_step < total_steps:
             epoch, offset = divmod(global_step, steps_per_epoch)
-            dataset = dataset_for_epoch(epoch)
+            dataset = stream if stream is not None else dataset_for_epoch(epoch)
             if not checked:  # before the first step: nothing trained or written yet
                 batch_lib.check_first_batch(dataset, self.batch, owner="tfdp Trainer")
                 checked = True
-            iterator = self._steps.distribute(dataset, offset)
+            if stream is None:
+                iterator = self._steps.distribute(dataset, offset)
+            elif iterator is None:  # each epoch below runs to its end: the stream goes on
+                iterator = self._steps.distribute(
+                    stream.epoch_stream(epoch, offset, steps_per_epoch=steps_per_epoch), 0)
             self._reset(self._steps.train_loss, *self._steps.train_metrics)
             while offset < steps_per_epoch and global_step < total_steps:
                 num = min(self.steps_per_loop, steps_per_epoch - offset, total_steps - global_step)

@@ -25,6 +25,7 @@ SIGTERM.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Union
 
@@ -42,6 +43,7 @@ from tfdp.training import step_monitor
 from tfdp.distribute import preemption
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp._upstream import keras_fit_resume
+from tfdp._upstream import keras_train_function
 
 PREEMPTION_EXIT_CODE = preemption.PREEMPTION_EXIT_CODE
 
@@ -194,7 +196,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 by seeding with the epoch), or a `tf.data.Dataset` that yields
                 the same batches in the same order every time it is iterated.
                 The callable may also return a distributed dataset (such as
-                `pipelines.make_dataset` builds). A resumed epoch is entered
+                `pipelines.make_dataset` builds). A `pipelines.make_dataset`
+                dataset with a `seed` (its `streams_epochs` holds) may be
+                passed itself: epoch `e` then has an order of its own that
+                depends only on the seed and `e`, and one iterator carries
+                every epoch of the `fit` (`epoch_stream`): no pipeline
+                build, iterator or iterator teardown per epoch. A resumed epoch is entered
                 at its batch as `tfdp.training.input_position` says:
                 `pipelines.make_dataset`'s datasets seek there without
                 reading, preprocessing or copying the batches before it; any
@@ -223,7 +230,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self._can_resume_mid_epoch:
             raise RuntimeError(keras_fit_resume.unsupported_message("backup.wrap(...)"))
         datasets = (tf.data.Dataset, tf.distribute.DistributedDataset)
-        if isinstance(dataset, datasets):
+        epoch_stream = None
+        if getattr(dataset, "streams_epochs", False):  # pipelines.make_dataset(..., seed=...)
+            steps_per_epoch = steps_per_epoch or dataset.steps_per_epoch
+            epoch_stream = functools.partial(dataset.epoch_stream,
+                                             steps_per_epoch=steps_per_epoch)
+            dataset_fn = lambda epoch: epoch_stream(epoch, 0, num_epochs=1)  # noqa: E731
+        elif isinstance(dataset, datasets):
             fixed = dataset
             dataset_fn = lambda epoch: fixed  # noqa: E731
         elif callable(dataset):
@@ -233,7 +246,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`dataset` must be a callable epoch -> tf.data.Dataset or a "
                 f"tf.data.Dataset. Received: {type(dataset).__name__}"
             )
-        first = dataset_fn(0)
+        first = dataset if epoch_stream is not None else dataset_fn(0)
         if not isinstance(first, datasets):
             raise TypeError(
                 "`dataset` must return a tf.data.Dataset of global batches (or a "
@@ -256,8 +269,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._input = keras_fit_resume.EpochInput(
             dataset_fn, steps_per_epoch=steps_per_epoch, position=self._position,
             num_batches=batch_lib.num_batches, start_at=input_position.start_at_batch,
+            epoch_stream=epoch_stream, can_bound_execution=self._can_bound_execution,
         )
         return self._input
+
+    def _can_bound_execution(self) -> bool | None:
+        """Whether the model's train function stops an execution at an epoch's end
+        (None before `fit` has set the model)."""
+        model = getattr(self, "model", None)
+        return None if model is None else keras_train_function.takes_step_bound(model)
 
     def _position(self):
         """(epoch, first batch) for the epoch `fit` is starting.
