@@ -2,8 +2,9 @@
 
 This module owns the sequence of a run (validate batch against the planned
 replicas, build the strategy, data, model and optimiser, train with
-`model.fit` or `tfdp.Trainer`, evaluate, write `summary.json`) and the
-start-up line the chief prints. It does not know where data or models come
+`model.fit` or `tfdp.Trainer`, evaluate, write `summary.json`), the start-up
+line the chief prints, and which phase of the run each second goes to (the
+clock itself is `tfdp.app.phase_clock`'s). It does not know where data or models come
 from: the caller passes `build_dataset` and `build_model` (the `tfdp-train`
 entry point wires in `pipelines` and `models`), so `tfdp` stays independent of
 both.
