@@ -41,7 +41,8 @@ PHASES = {
     "outside_steps": "the training loop's time outside its calls and the pipeline "
                      "builds: new iterators, checkpoint saves, callbacks, metric reads",
     "final_eval": "the evaluation after training (its pipeline build is in pipeline_builds)",
-    "outputs": "the final checkpoint, TensorBoard scalars, curves.png and summary.json",
+    "outputs": "the final checkpoint, the eval TensorBoard scalars and curves.png (not "
+               "summary.json, which holds the phases)",
 }
 
 
