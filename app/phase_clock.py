@@ -85,7 +85,7 @@ class PhaseClock:
         self._counts: dict[str, int] = {}
         self._open: list[list] = []  # [name, running since]
         self._epochs: list[dict] = []
-        self._epoch_open: list = []  # [epoch, started, steps seconds] while one runs
+        self._epoch_open: list = []  # [epoch, started, steps s, first call s] while one runs
         self._step_started: float | None = None
         self._steps_seen = 0
 
@@ -152,7 +152,10 @@ class PhaseClock:
             raise ValueError("step_end() without a step_begin().")
         self.end("first_step" if self._steps_seen == 0 else "steps")
         if self._epoch_open:
-            self._epoch_open[2] += self._clock() - self._step_started
+            seconds = self._clock() - self._step_started
+            self._epoch_open[2] += seconds
+            if self._epoch_open[3] is None:
+                self._epoch_open[3] = seconds
         self._step_started = None
         self._steps_seen += 1
         self.count("step_calls")
@@ -161,19 +164,21 @@ class PhaseClock:
         """Epoch `epoch` starts (the one running, if any, ends here)."""
         if self._epoch_open:
             self.epoch_end()
-        self._epoch_open = [epoch, self._clock(), 0.0]
+        self._epoch_open = [epoch, self._clock(), 0.0, None]
 
     def epoch_end(self) -> None:
         """The running epoch ends: one row, `{"epoch", "seconds", "steps_seconds",
-        "outside_seconds"}`; outside is the epoch's time minus its training calls
-        (pipeline rebuilds, the new iterator, saves, callbacks). No epoch running:
-        nothing."""
+        "outside_seconds", "first_call_seconds"}`; outside is the epoch's time minus
+        its training calls (pipeline rebuilds, the new iterator, saves,
+        callbacks); its first call (None: none ran) is in `steps_seconds`, and
+        shows a slow start of the epoch. No epoch running: nothing."""
         if not self._epoch_open:
             return
-        epoch, started, steps = self._epoch_open
+        epoch, started, steps, first_call = self._epoch_open
         seconds = self._clock() - started
         self._epochs.append({"epoch": epoch, "seconds": seconds, "steps_seconds": steps,
-                             "outside_seconds": max(seconds - steps, 0.0)})
+                             "outside_seconds": max(seconds - steps, 0.0),
+                             "first_call_seconds": first_call})
         self._epoch_open = []
 
     # --- results --------------------------------------------------------------

@@ -137,10 +137,12 @@ def summarize(runs: dict) -> dict:
         "over_keras" (best ÷ keras' best), "accuracy" (last run)}], "phases":
         {job: the best run's phase seconds}, "counts": {job: its counts},
         "epoch_outside_seconds": {job: the best run's median seconds per epoch
-        outside its training calls, first epoch excluded}}`.
+        outside its training calls, first epoch excluded},
+        "epoch_first_call_seconds": {job: the same for each epoch's first
+        training call}}`.
     """
     keras_best = min(r["wall_seconds"] for r in runs["keras"]) if runs.get("keras") else None
-    rows, phases, counts, outside = [], {}, {}, {}
+    rows, phases, counts, outside, first_calls = [], {}, {}, {}, {}
     for job, job_runs in runs.items():
         if not job_runs:
             continue
@@ -152,9 +154,13 @@ def summarize(runs: dict) -> dict:
         if "phases" in best:
             phases[job] = best["phases"]["seconds"]
             counts[job] = best["phases"]["counts"]
-            later = [row["outside_seconds"] for row in best["phases"]["epochs"][1:]]
-            outside[job] = statistics.median(later) if later else None
+            later = best["phases"]["epochs"][1:]
+            outside[job] = (statistics.median(row["outside_seconds"] for row in later)
+                            if later else None)
+            calls = [row["first_call_seconds"] for row in later
+                     if row["first_call_seconds"] is not None]
+            first_calls[job] = statistics.median(calls) if calls else None
         else:
             phases[job] = best["seconds"]
     return {"rows": rows, "phases": phases, "counts": counts,
-            "epoch_outside_seconds": outside}
+            "epoch_outside_seconds": outside, "epoch_first_call_seconds": first_calls}

@@ -279,6 +279,10 @@ def _fixed_costs(case) -> list[str]:
                 str(case["counts"][job].get(count, "–")) for job in tfdp_jobs) + " |")
         lines.append("| *per epoch outside the steps (median after the first)* | " + " | ".join(
             _f(case["epoch_outside_seconds"].get(job), 2) for job in tfdp_jobs) + " |")
+        lines.append("| *per epoch, its first training call (median after the first; in "
+                     "steps)* | " + " | ".join(
+                         _f(case["epoch_first_call_seconds"].get(job), 2) for job in tfdp_jobs)
+                     + " |")
     if "keras" in case["phases"]:
         lines += ["", "Plain Keras, its own parts (s): " + ", ".join(
             f"{name} {value:.2f}" for name, value in case["phases"]["keras"].items())

@@ -55,6 +55,7 @@ def test_run_writes_a_summary_the_chief_owns(tmp_path, digits_dir, loop):
     assert sum(phases["seconds"].values()) <= phases["wall_seconds"]
     assert phases["counts"]["step_calls"] == {"fit": 10, "custom": 6}[loop]
     assert [row["epoch"] for row in phases["epochs"]] == [0, 1]
+    assert None not in [row["first_call_seconds"] for row in phases["epochs"]]
 
 
 @pytest.mark.slow

@@ -61,8 +61,10 @@ def test_steps_and_epochs_split_the_training_time(fake):
                                   "outside_steps": 4 * 0.125 + 2 * 0.25}
     assert summary["counts"] == {"train_pipeline_builds": 2, "step_calls": 4}
     assert summary["epochs"] == [
-        {"epoch": 0, "seconds": 4.75, "steps_seconds": 4.0, "outside_seconds": 0.75},
-        {"epoch": 1, "seconds": 2.75, "steps_seconds": 2.0, "outside_seconds": 0.75},
+        {"epoch": 0, "seconds": 4.75, "steps_seconds": 4.0, "outside_seconds": 0.75,
+         "first_call_seconds": 3.0},
+        {"epoch": 1, "seconds": 2.75, "steps_seconds": 2.0, "outside_seconds": 0.75,
+         "first_call_seconds": 1.0},
     ]
     assert sum(summary["seconds"].values()) == pytest.approx(summary["wall_seconds"])
     line = clock.describe(summary)
@@ -78,7 +80,8 @@ def test_a_new_epoch_ends_the_running_one(fake):
     fake.advance(1.0)
     clock.epoch_end()
     clock.epoch_end()  # none running: nothing
-    assert [(row["epoch"], row["seconds"]) for row in clock.epochs] == [(0, 2.0), (1, 1.0)]
+    assert [(row["epoch"], row["seconds"], row["first_call_seconds"])
+            for row in clock.epochs] == [(0, 2.0, None), (1, 1.0, None)]
 
 
 def test_phases_are_reported_in_run_order(fake):

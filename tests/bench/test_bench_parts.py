@@ -587,7 +587,8 @@ def _fixed_costs_run(wall, *, phases=None):
         return {**run, "seconds": {"imports": 3.0, "fit": 4.0}, "epoch_seconds": [1.0, 0.5]}
     return {**run, "phases": {
         "seconds": phases, "counts": {"train_pipeline_builds": 3, "step_calls": 6},
-        "epochs": [{"outside_seconds": s} for s in (2.0, 1.0, 0.5, 0.75)],
+        "epochs": [{"outside_seconds": s, "first_call_seconds": c}
+                   for s, c in ((2.0, 3.0), (1.0, None), (0.5, 0.25), (0.75, 0.5))],
         "wall_seconds": wall - 1.0, "unaccounted_seconds": 0.0}}
 
 
@@ -608,6 +609,7 @@ def test_fixed_costs_rows_are_best_walls_over_plain_keras_and_the_best_runs_phas
                               "keras": {"imports": 3.0, "fit": 4.0}}
     assert case["counts"] == {"tfdp_fit": {"train_pipeline_builds": 3, "step_calls": 6}}
     assert case["epoch_outside_seconds"] == {"tfdp_fit": 0.75}  # median of epochs 1..3
+    assert case["epoch_first_call_seconds"] == {"tfdp_fit": 0.375}  # of those that ran one
     text = "\n".join(report._fixed_costs({**case, "epochs": 10, "repeats": 2}))
     assert "| imports | 7.00 |" in text and "| *train pipeline builds* | 3 |" in text
     assert "30.0 (35.0, 40.0) | 3.00 |" in text
