@@ -2,8 +2,9 @@
 
 This module owns the sequence of a run (validate batch against the planned
 replicas, build the strategy, data, model and optimiser, train with
-`model.fit` or `tfdp.Trainer`, evaluate, write `summary.json`) and the
-start-up line the chief prints. It does not know where data or models come
+`model.fit` or `tfdp.Trainer`, evaluate, write `summary.json`), the start-up
+line the chief prints, and which phase of the run each second goes to (the
+clock itself is `tfdp.app.phase_clock`'s). It does not know where data or models come
 from: the caller passes `build_dataset` and `build_model` (the `tfdp-train`
 entry point wires in `pipelines` and `models`), so `tfdp` stays independent of
 both.
@@ -35,6 +36,7 @@ from tfdp.distribute import devices
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training.batch import BatchConfig
 from tfdp.app import run_summaries
+from tfdp.app.phase_clock import PhaseClock
 from tfdp.app.run_config import ConfigError
 from tfdp.app.run_config import RunConfig
 from tfdp.training.trainer import Trainer
@@ -151,12 +153,39 @@ class _EpochTimer(keras.callbacks.Callback):
         self.epochs.append((now - self._start[0], steps - self._start[1]))
 
 
+class _PhaseTimer(keras.callbacks.Callback):
+    """Charges `fit`'s training calls and epochs to a `PhaseClock`.
+
+    Each batch interval (one execution of `steps_per_execution` steps) is a
+    training call; an epoch runs from its `on_epoch_begin` to its
+    `on_epoch_end`. Put it last in `fit`'s callbacks, so that an epoch's end
+    includes the other callbacks' (the backup's save).
+    """
+
+    def __init__(self, clock: PhaseClock):
+        super().__init__()
+        self._clock = clock
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._clock.epoch_begin(epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._clock.epoch_end()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._clock.step_begin()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._clock.step_end()
+
+
 def _floats(logs: dict) -> dict:
     return {k: float(v) for k, v in logs.items()}
 
 
 def train_and_evaluate(
-    config: RunConfig, *, build_dataset: BuildDataset, build_model: BuildModel
+    config: RunConfig, *, build_dataset: BuildDataset, build_model: BuildModel,
+    clock: PhaseClock | None = None,
 ) -> dict:
     """Trains `config.model` on `config.dataset` data-parallel, then evaluates.
 
@@ -170,11 +199,16 @@ def train_and_evaluate(
         build_model: `(name, *, input_shape, num_classes, **model_arguments)
             -> keras.Model`, logits out; `model_arguments` are the training
             `DatasetSpec`'s.
+        clock: where the run's phases are timed (`tfdp.app.phase_clock`);
+            `tfdp-train` passes one that started with the process and holds
+            its imports and checks. Defaults to a new one started now.
 
     Returns:
         The summary: `train` and `eval` metrics, `eval_split`, `model`, `batch`, `steps`,
         `examples_per_second`, `wall_time_seconds`, `learning_rate`,
-        `strategy`, `config`.
+        `strategy`, `config`, and `phases` (`PhaseClock.summary()`: seconds by
+        phase, build and step counts, one row per epoch; the chief also
+        prints them in its last line).
 
     Raises:
         ConfigError: the batch does not divide over the replicas, or
@@ -182,6 +216,8 @@ def train_and_evaluate(
             continue a run in a `model_dir` that holds a checkpoint.
     """
     start = time.perf_counter()
+    clock = clock if clock is not None else PhaseClock()
+    clock.begin("strategy")
     strategy_options = dict(
         cpu_replicas=config.cpu_replicas, cross_device_ops=config.cross_device_ops,
         communication=config.communication, bytes_per_pack=config.bytes_per_pack,
@@ -202,6 +238,8 @@ def train_and_evaluate(
             devices.check_jit_compile_supported(strategy)
         except ValueError as error:
             raise ConfigError(f"--jit_compile: {error}") from None
+    clock.end("strategy")
+    build_dataset = _timed_builds(build_dataset, clock)
 
     train_data, spec = build_dataset(
         TRAIN, training=True, strategy=strategy, batch=batch, seed=epoch_seed(config.seed, 0)
@@ -214,7 +252,7 @@ def train_and_evaluate(
             f"examples. Lower it, or leave it unset to use the whole split."
         )
     peak_lr, schedule = learning_rate_schedule(config, batch, steps_per_epoch)
-    with strategy.scope():
+    with clock.phase("model"), strategy.scope():
         keras.utils.set_random_seed(config.seed)
         model = build_model(config.model, input_shape=spec.input_shape,
                             num_classes=spec.num_classes, **spec.model_arguments)
@@ -248,10 +286,11 @@ def train_and_evaluate(
     # pipeline build, iterator or iterator teardown per epoch.
     stream = train_data if getattr(train_data, "streams_epochs", False) else None
     train_started = time.perf_counter()
+    clock.begin("outside_steps")  # what the steps and the rebuilds leave of training
     if config.loop == "fit":
         train_logs, examples_per_second = _train_with_fit(
             config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch, info,
-            stream=stream,
+            clock, stream=stream,
         )
         eval_model = model
         steps = _training_steps(model.optimizer)
@@ -266,26 +305,49 @@ def train_and_evaluate(
             sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
             shard_optimizer_state=config.shard_optimizer_state,
         )
+        # The Trainer's hooks around each training call; an epoch runs from
+        # the call for its dataset to the next one's (or the end).
+        trainer.train_loop_begin = clock.step_begin
+        trainer.train_loop_end = clock.step_end
 
-        result = trainer.train(dataset_for_epoch if stream is None else stream,
-                               epochs=config.epochs, steps_per_epoch=steps_per_epoch)
+        if stream is None:
+            def epoch_dataset(epoch: int):
+                clock.epoch_begin(epoch)
+                return dataset_for_epoch(epoch)
+
+            train_input = epoch_dataset
+        else:  # no call per epoch: an epoch begins with the call that enters it
+            def loop_begin():
+                epoch = trainer.global_step // steps_per_epoch
+                if epoch != clock.current_epoch:
+                    clock.epoch_begin(epoch)
+                clock.step_begin()
+
+            trainer.train_loop_begin = loop_begin
+            train_input = stream
+        result = trainer.train(train_input, epochs=config.epochs,
+                               steps_per_epoch=steps_per_epoch)
+        clock.epoch_end()
         examples_per_second = result.pop("examples_per_second")
         steps = int(result.pop("steps"))
         result.pop("epochs")
         train_logs = result
         eval_model = trainer
     train_seconds = time.perf_counter() - train_started
+    clock.end("outside_steps")
 
     eval_logs: dict = {}
     eval_split = None
     if config.eval:
-        eval_data, eval_spec = build_dataset(EVAL, training=False, strategy=strategy,
-                                             batch=batch, seed=config.seed)
-        eval_split = eval_spec.split
-        if config.loop == "fit":
-            eval_logs = _floats(eval_model.evaluate(eval_data, return_dict=True, verbose=0))
-        else:
-            eval_logs = _floats(eval_model.evaluate(eval_data))
+        with clock.phase("final_eval"):
+            eval_data, eval_spec = build_dataset(EVAL, training=False, strategy=strategy,
+                                                 batch=batch, seed=config.seed)
+            eval_split = eval_spec.split
+            if config.loop == "fit":
+                eval_logs = _floats(eval_model.evaluate(eval_data, return_dict=True, verbose=0))
+            else:
+                eval_logs = _floats(eval_model.evaluate(eval_data))
+    clock.begin("outputs")
     outputs = {}
     if config.model_dir and info.is_chief:
         if eval_logs:
@@ -325,9 +387,25 @@ def train_and_evaluate(
               f"{summary['wall_time_seconds']:.1f} s", flush=True)
         if config.model_dir:
             os.makedirs(config.model_dir, exist_ok=True)
+    clock.end("outputs")  # summary.json's own write is the only part after this
+    summary["phases"] = clock.summary()
+    if info.is_chief:
+        if config.model_dir:
             with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2, default=str)
+        print(f"tfdp-train: time by phase: {clock.describe(summary['phases'])}", flush=True)
     return summary
+
+
+def _timed_builds(build_dataset: BuildDataset, clock: PhaseClock) -> BuildDataset:
+    """`build_dataset`, each call charged to `pipeline_builds` and counted by role."""
+
+    def build(role, **kwargs):
+        clock.count(f"{role}_pipeline_builds")
+        with clock.phase("pipeline_builds"):
+            return build_dataset(role, **kwargs)
+
+    return build
 
 
 def steps_per_execution_for(
@@ -407,7 +485,7 @@ def _restore_finished_run(config, model, info, total_steps: int) -> bool:
 
 
 def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, steps_per_epoch,
-                    info, *, stream=None):
+                    info, clock, *, stream=None):
     """`model.fit` through `tfdp.compile`; resumable from `model_dir/backup`.
 
     With a `model_dir`, `tfdp.callbacks.BackupAndRestore` backs the run up
@@ -454,11 +532,13 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         log_every=config.log_every or steps_per_execution, is_chief=info.is_chief,
         print_fn=(lambda line: None) if terminal else (lambda line: print(line, flush=True)),
     ))
+    callbacks.append(_PhaseTimer(clock))  # last: an epoch's end includes the backup's save
     verbose = 1 if info.is_chief and terminal else 0
     history = model.fit(fit_input, epochs=config.epochs, steps_per_epoch=fit_steps,
                         callbacks=callbacks, verbose=verbose)
     if config.model_dir:
-        _final_checkpoint(config, model, info).save(_training_steps(model.optimizer))
+        with clock.phase("outputs"):
+            _final_checkpoint(config, model, info).save(_training_steps(model.optimizer))
     train_logs = {k: v[-1] for k, v in history.history.items()}
     # The last epoch's throughput: the first one includes tracing.
     seconds, steps = timer.epochs[-1] if timer.epochs else (0.0, 0)

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Sequence
+
+# Where the imports phase starts if the process's own start time is unknown (not Linux).
+_MODULE_STARTED = time.perf_counter()
 
 # TensorFlow's C++ start-up chatter (INFO) before it is imported; warnings stay.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -33,6 +37,8 @@ from tfdp.app import run_config  # noqa: E402
 from tfdp.app import user_data  # noqa: E402
 from tfdp.app.process_logging import configure_logging  # noqa: E402
 from tfdp.app.process_logging import process_is_chief  # noqa: E402
+from tfdp.app.phase_clock import PhaseClock  # noqa: E402
+from tfdp.app.phase_clock import process_start  # noqa: E402
 from tfdp.distribute import config_check  # noqa: E402
 from tfdp.distribute import peer_failures  # noqa: E402
 from tfdp.distribute import startup  # noqa: E402
@@ -370,15 +376,20 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     from tfdp.app import experiment
 
+    # Wall time by phase, from the process's start: everything so far is imports.
+    started = process_start()
+    clock = PhaseClock(origin=_MODULE_STARTED if started is None else started)
+    clock.record("imports", clock.elapsed())
     try:
-        config = config_from_flags()
-        _check_names(config)
-        described = _check_inputs(config)
-        configure_logging(process_is_chief())
+        with clock.phase("checks"):
+            config = config_from_flags()
+            _check_names(config)
+            described = _check_inputs(config)
+            configure_logging(process_is_chief())
         with peer_failures.explain_peer_failures(collective_timeout=config.collective_timeout):
             experiment.train_and_evaluate(
                 config, build_dataset=_build_dataset(config, described),
-                build_model=_build_model(config),
+                build_model=_build_model(config), clock=clock,
             )
     except (run_config.ConfigError, config_check.ConfigMismatchError) as error:
         print(f"tfdp-train: error: {error}", file=sys.stderr)

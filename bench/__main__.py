@@ -11,6 +11,7 @@ otherwise. A skipped case (PyTorch not installed) is not a failure.
     python -m tfdp.bench --smoke --out_dir /tmp/bench   # the suite's wiring only: its figures measure nothing
     python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
     python -m tfdp.bench --link 1gbit --cases communication,time_to_accuracy   # two cases only
+    python -m tfdp.bench --cases fixed_costs   # the README's job vs plain Keras, start to exit
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _SHAPED_LINK = flags.DEFINE_string(
 _CASES = flags.DEFINE_list(
     "cases", None, "Run only these cases (comma-separated: scaling, overhead, peer_torch, "
     "communication, time_to_accuracy, accumulation, allreduce, input_pipeline, predict, "
-    "memory); the others are reported as skipped. Defaults to every case.")
+    "memory, fixed_costs); the others are reported as skipped. Defaults to every case.")
 _TIMEOUT_SCALE = flags.DEFINE_float(
     "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines). "
     "A --link slower than 1gbit already stretches them by 1 Gbit/s ÷ its rate (10x at 100mbit).")

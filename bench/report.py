@@ -245,6 +245,51 @@ def _time_to_accuracy(case) -> list[str]:
     return lines
 
 
+FIXED_COSTS_LABELS = {
+    "tfdp_fit": "tfdp: `tfdp-launch --nproc_per_node 2 -- tfdp-train --dataset=digits "
+                "--model=cnn --model_dir=DIR`",
+    "tfdp_custom": "tfdp: the same with `--loop=custom` (`tfdp.Trainer`)",
+    "keras": "plain Keras, one process (`tfdp.bench.plain_keras_digits`)",
+}
+
+
+def _fixed_costs(case) -> list[str]:
+    lines = [f"The README's main job and the same job in plain one-process Keras (same `cnn`, "
+             f"same TFDS digits split, batch 64, SGD with momentum and cosine decay, "
+             f"BackupAndRestore every epoch, one evaluation at the end), "
+             f"{case.get('epochs')} epochs, wall time from process start to exit, each job "
+             f"run {case.get('repeats')} time(s) in rounds: best (median, max).", "",
+             "| job | wall (s) | ÷ plain Keras (best) | eval accuracy |", "|---|---|---|---|"]
+    for r in case["rows"]:
+        wall = r["wall_seconds"]
+        lines.append(f"| {FIXED_COSTS_LABELS.get(r['job'], r['job'])} | {wall['best']:.1f} "
+                     f"({wall['median']:.1f}, {wall['max']:.1f}) | {_f(r['over_keras'], 2)} | "
+                     f"{_f(r['accuracy'], 3)} |")
+    tfdp_jobs = [job for job in case["phases"] if job in case.get("counts", {})]
+    if tfdp_jobs:
+        names = list(dict.fromkeys(n for job in tfdp_jobs for n in case["phases"][job]))
+        lines += ["", "Where the chief's time went (seconds, the best run; `summary.json`'s "
+                      "`phases`):", "", "| phase | " + " | ".join(tfdp_jobs) + " |",
+                  "|---|" + "---|" * len(tfdp_jobs)]
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(
+                _f(case["phases"][job].get(name), 2) for job in tfdp_jobs) + " |")
+        for count in ("train_pipeline_builds", "eval_pipeline_builds", "step_calls"):
+            lines.append(f"| *{count.replace('_', ' ')}* | " + " | ".join(
+                str(case["counts"][job].get(count, "–")) for job in tfdp_jobs) + " |")
+        lines.append("| *per epoch outside the steps (median after the first)* | " + " | ".join(
+            _f(case["epoch_outside_seconds"].get(job), 2) for job in tfdp_jobs) + " |")
+        lines.append("| *per epoch, its first training call (median after the first; in "
+                     "steps)* | " + " | ".join(
+                         _f(case["epoch_first_call_seconds"].get(job), 2) for job in tfdp_jobs)
+                     + " |")
+    if "keras" in case["phases"]:
+        lines += ["", "Plain Keras, its own parts (s): " + ", ".join(
+            f"{name} {value:.2f}" for name, value in case["phases"]["keras"].items())
+            + " (the rest of its wall time is the interpreter's start and exit)."]
+    return lines
+
+
 def _accumulation(case) -> list[str]:
     mb = 1e6
     lines = [case["workload"] + f"; every k timed in one launch, in alternation, "
@@ -395,6 +440,8 @@ def markdown(results: dict) -> str:
         ("9. Memory: ZeRO-1 and activation recomputation", "memory", _memory),
         ("10. Time to accuracy: digits, tfdp's gradient exchanges and DDP's hooks",
          "time_to_accuracy", _time_to_accuracy),
+        ("11. Fixed costs: the README's job against plain Keras, start to exit", "fixed_costs",
+         _fixed_costs),
     ]
     lines = ["# tfdp benchmark results", "", *_machine(results), "", "## Targets", "",
              *_targets(results)]

@@ -12,7 +12,9 @@ Order: the CNN throughput launches (1 and 2 workers, alternating when
 DDP runs right after them on the same network, without and then with its
 communication hooks; then time to accuracy on digits (tfdp's gradient
 exchanges and DDP's hooks, each `repeats` times in rounds); then the
-all-reduce, accumulation, input-pipeline, batch-inference and memory cases.
+all-reduce, accumulation, input-pipeline, batch-inference and memory cases;
+last the fixed costs (the README's main job, start to exit, against plain
+Keras).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable
 from tfdp.bench import accumulation
 from tfdp.bench import allreduce
 from tfdp.bench import communication
+from tfdp.bench import fixed_costs
 from tfdp.bench import input_pipeline
 from tfdp.bench import link as link_lib
 from tfdp.bench import machine
@@ -39,7 +42,7 @@ from tfdp.bench import throughput
 from tfdp.bench import time_to_accuracy
 
 CASES = ("scaling", "overhead", "peer_torch", "communication", "time_to_accuracy",
-         "accumulation", "allreduce", "input_pipeline", "predict", "memory")
+         "accumulation", "allreduce", "input_pipeline", "predict", "memory", "fixed_costs")
 #: The link rate the subprocess deadlines were set for (bits/s); a slower `--link` stretches them.
 LINK_DEADLINES_BITS_PER_SECOND = 1e9
 
@@ -88,6 +91,8 @@ class SuiteConfig:
             (`tfdp.bench.time_to_accuracy.DDP_HOOKS`).
         tta_max_epochs: epochs after which a time-to-accuracy run stops
             short of the target.
+        fixed_costs_epochs: epochs of every `fixed_costs` job (the README's
+            main job trains 10), each run `repeats` times.
         cases: the cases to run (names from `CASES`; every one by default).
             The others are recorded as skipped. The CNN throughput launches
             run when scaling, overhead, peer_torch or communication is
@@ -125,6 +130,7 @@ class SuiteConfig:
     tta_methods: tuple[str, ...] = time_to_accuracy.TFDP_METHODS
     tta_hooks: tuple[str, ...] = time_to_accuracy.DDP_HOOKS
     tta_max_epochs: int = 30
+    fixed_costs_epochs: int = 10
     cases: tuple[str, ...] = CASES
 
     def __post_init__(self):
@@ -157,7 +163,8 @@ class SuiteConfig:
                 f"{', '.join(time_to_accuracy.DDP_HOOKS)}. Received: "
                 f"tta_methods={self.tta_methods!r}, tta_hooks={self.tta_hooks!r}"
             )
-        for name in ("memory_width", "memory_steps", "memory_rounds", "tta_max_epochs"):
+        for name in ("memory_width", "memory_steps", "memory_rounds", "tta_max_epochs",
+                     "fixed_costs_epochs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
@@ -197,13 +204,14 @@ class SuiteConfig:
         For checking the suite's wiring (the test suite runs it): every case,
         every path and every launch of `--quick`, with per-replica batches of
         8, 2 timed executions of 2 steps, 1,000 predictions and 1 epoch of
-        time to accuracy. Its figures are not measurements of anything.
+        time to accuracy, 2 epochs of each fixed-costs job. Its figures are
+        not measurements of anything.
         """
         values = dict(
             per_replica_batch=8, steps_per_execution=2, steps=4, accum_micro_batch=4,
             accum_steps_timed=2, all_reduce_iterations=2,
             predict_examples=1_000, predict_memory_examples=(500, 2_000),
-            memory_steps=1, tta_max_epochs=1,
+            memory_steps=1, tta_max_epochs=1, fixed_costs_epochs=2,
         )
         values.update(overrides)
         return cls.quick_config(**values)
@@ -379,6 +387,10 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
         remat_model=dict(config.memory_remat_model), allocator_launches=not config.quick,
         threads=config.threads,
         timeout=config.timeout(900),
+    ))
+    cases["fixed_costs"] = guarded("fixed_costs", "fixed_costs", lambda: fixed_costs.run(
+        epochs=config.fixed_costs_epochs, repeats=config.repeats, timeout=config.timeout(600),
+        log=log,
     ))
     results["cases"] = {name: cases[name] for name in CASES}
     results["breakdown"] = (

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.app import experiment
+from tfdp.app import phase_clock
 from tfdp.app import train as train_cli
 from tfdp.app.run_config import ConfigError, RunConfig
 
@@ -46,6 +47,16 @@ def test_run_writes_a_summary_the_chief_owns(tmp_path, digits_dir, loop):
     assert 0.0 <= on_disk["eval"]["accuracy"] <= 1.0
     assert on_disk["examples_per_second"] > 0 and on_disk["wall_time_seconds"] > 0
     assert on_disk["config"]["loop"] == loop
+    # Called without tfdp-train's clock: the phases start at the call (no
+    # imports or checks); 5 steps per epoch run in 5 executions of 1 step
+    # (fit: 1 divides 5) or calls of 2, 2 and 1 (custom).
+    phases = on_disk["phases"]
+    assert list(phases["seconds"]) == [name for name in phase_clock.PHASES
+                                       if name not in ("imports", "checks")]
+    assert sum(phases["seconds"].values()) <= phases["wall_seconds"]
+    assert phases["counts"]["step_calls"] == {"fit": 10, "custom": 6}[loop]
+    assert [row["epoch"] for row in phases["epochs"]] == [0, 1]
+    assert None not in [row["first_call_seconds"] for row in phases["epochs"]]
 
 
 @pytest.mark.slow

@@ -105,8 +105,9 @@ def test_remat_and_sync_bn_reach_the_model_builder(parse_flags, monkeypatch):
 
     built = {}
 
-    def train_and_evaluate(config, *, build_dataset, build_model):
+    def train_and_evaluate(config, *, build_dataset, build_model, clock):
         built["model"] = build_model(config.model, input_shape=(8, 8, 3), num_classes=3)
+        built["phases"] = list(clock.seconds)  # tfdp-train's clock, started with the process
 
     monkeypatch.setattr(experiment, "train_and_evaluate", train_and_evaluate)
     parse_flags("--model=resnet20", "--remat", "--sync_bn")
@@ -115,6 +116,7 @@ def test_remat_and_sync_bn_reach_the_model_builder(parse_flags, monkeypatch):
     assert sum(isinstance(layer, remat.Rematerialized) for layer in layers) == 9
     norms = [layer for layer in layers if isinstance(layer, keras.layers.BatchNormalization)]
     assert len(norms) == 21 and all(layer.synchronized for layer in norms)
+    assert built["phases"] == ["imports", "checks"]
 
 
 def _all_layers(model):

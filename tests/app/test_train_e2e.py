@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from multiworker import run_launch
+from tfdp.app import phase_clock
 
 #: The accuracy the README promises for the main command.
 TARGET_ACCURACY = 0.95
@@ -44,8 +45,18 @@ def test_main_command_reaches_target_accuracy_on_two_workers(tmp_path, data_dir,
     assert summary["batch"] == {"per_replica": 32, "replicas": 2, "accum_steps": 1,
                                 "global": 64}
     assert summary["steps"] == summary["config"]["epochs"] * summary["steps_per_epoch"]
+    # Where the chief's time went: every phase, none negative, together no
+    # more than the wall time since its process started.
+    phases = summary["phases"]
+    assert list(phases["seconds"]) == list(phase_clock.PHASES)
+    assert min(phases["seconds"].values()) >= 0.0
+    assert sum(phases["seconds"].values()) <= phases["wall_seconds"]
+    assert phases["counts"]["train_pipeline_builds"] >= 1
+    assert phases["counts"]["eval_pipeline_builds"] == 1
+    assert [row["epoch"] for row in phases["epochs"]] == list(range(summary["config"]["epochs"]))
     # Only the chief prints progress and results; worker 1 stays quiet.
     assert any("tfdp-train: eval" in line for line in result.worker_stdout(0))
+    assert result.worker_stdout(0)[-1].startswith("tfdp-train: time by phase: imports ")
     assert not [line for line in result.worker_stdout(1) if line.strip()], result.describe()
 
 

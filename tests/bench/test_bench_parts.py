@@ -579,3 +579,37 @@ def test_the_command_line_refuses_quick_and_smoke_together_before_importing_tens
                                timeout=60)
     assert "--quick and --smoke are two sizes of the suite" in completed.stderr, completed.stderr
     assert completed.stdout.split() == ["exit", "1", "False"], completed.stdout
+
+
+def _fixed_costs_run(wall, *, phases=None):
+    run = {"wall_seconds": wall, "accuracy": 0.97}
+    if phases is None:
+        return {**run, "seconds": {"imports": 3.0, "fit": 4.0}, "epoch_seconds": [1.0, 0.5]}
+    return {**run, "phases": {
+        "seconds": phases, "counts": {"train_pipeline_builds": 3, "step_calls": 6},
+        "epochs": [{"outside_seconds": s, "first_call_seconds": c}
+                   for s, c in ((2.0, 3.0), (1.0, None), (0.5, 0.25), (0.75, 0.5))],
+        "wall_seconds": wall - 1.0, "unaccounted_seconds": 0.0}}
+
+
+def test_fixed_costs_rows_are_best_walls_over_plain_keras_and_the_best_runs_phases():
+    from tfdp.bench import fixed_costs
+
+    runs = {"tfdp_fit": [_fixed_costs_run(30.0, phases={"imports": 7.0, "steps": 5.0}),
+                         _fixed_costs_run(40.0, phases={"imports": 9.0, "steps": 6.0})],
+            "keras": [_fixed_costs_run(12.0), _fixed_costs_run(10.0)]}
+    case = fixed_costs.summarize(runs)
+    assert case["rows"] == [
+        {"job": "tfdp_fit", "runs": 2, "accuracy": 0.97, "over_keras": 3.0,
+         "wall_seconds": {"best": 30.0, "median": 35.0, "max": 40.0}},
+        {"job": "keras", "runs": 2, "accuracy": 0.97, "over_keras": 1.0,
+         "wall_seconds": {"best": 10.0, "median": 11.0, "max": 12.0}},
+    ]
+    assert case["phases"] == {"tfdp_fit": {"imports": 7.0, "steps": 5.0},
+                              "keras": {"imports": 3.0, "fit": 4.0}}
+    assert case["counts"] == {"tfdp_fit": {"train_pipeline_builds": 3, "step_calls": 6}}
+    assert case["epoch_outside_seconds"] == {"tfdp_fit": 0.75}  # median of epochs 1..3
+    assert case["epoch_first_call_seconds"] == {"tfdp_fit": 0.375}  # of those that ran one
+    text = "\n".join(report._fixed_costs({**case, "epochs": 10, "repeats": 2}))
+    assert "| imports | 7.00 |" in text and "| *train pipeline builds* | 3 |" in text
+    assert "30.0 (35.0, 40.0) | 3.00 |" in text

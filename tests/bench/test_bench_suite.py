@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tfdp.app import phase_clock
 from tfdp.bench import communication as communication_lib
+from tfdp.bench import fixed_costs as fixed_costs_lib
 from tfdp.bench import peer_torch
 from tfdp.bench import report
 from tfdp.bench import suite
@@ -97,10 +99,21 @@ def test_smoke_suite_writes_every_case(tmp_path):
         assert memory[comparison]["on"]["tf_peak_bytes"] > 0  # the BFC allocator's statistics
     assert memory["zero"]["optimizer_state_ratio"] < 0.55
 
+    fixed = results["cases"]["fixed_costs"]  # 2 epochs of each job, once (--smoke)
+    assert [(r["job"], r["runs"]) for r in fixed["rows"]] == [
+        (job, 1) for job in fixed_costs_lib.JOBS]
+    assert next(r for r in fixed["rows"] if r["job"] == "keras")["over_keras"] == 1.0
+    for job in fixed_costs_lib.TFDP_LOOPS:  # the chief's phases, read from its summary.json
+        assert list(fixed["phases"][job]) == list(phase_clock.PHASES)
+        assert fixed["counts"][job]["train_pipeline_builds"] >= 1
+        run = fixed["runs"][job][0]
+        assert sum(fixed["phases"][job].values()) <= run["phases"]["wall_seconds"]
+        assert run["phases"]["wall_seconds"] <= run["wall_seconds"]
+
     markdown = (out_dir / "results.md").read_text()
     for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",
                     "## 4. Communication", "## 5. Gradient accumulation", "## 6. All-reduce",
                     "## 7. Input pipeline", "## 8. Batch inference", "## 9. Memory",
-                    "## 10. Time to accuracy"):
+                    "## 10. Time to accuracy", "## 11. Fixed costs"):
         assert heading in markdown
     assert results["machine"]["cpu"] in markdown
