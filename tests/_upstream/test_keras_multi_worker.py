@@ -284,6 +284,45 @@ def test_symbolic_build_pulls_a_batch_only_when_something_is_unbuilt(
     assert model._compile_metrics.built and model.optimizer.built
 
 
+class _DatasetEpochIterator(_CountingEpochIterator):
+    """A `_CountingEpochIterator` whose dataset Keras' TFEpochIterator would hold."""
+
+    def __init__(self, batch, dataset):
+        super().__init__(batch)
+        self._dataset = dataset
+
+    def _get_iterator(self):
+        return self._dataset
+
+
+def test_symbolic_build_reads_the_shapes_from_the_element_spec_without_a_batch(
+    patch_state, monkeypatch
+):
+    # A distributed dataset's spec holds one spec per local replica: the
+    # first one builds the model, and no iterator is made.
+    keras_multi_worker.apply(["symbolic_build_batch"])
+    monkeypatch.setattr(keras_multi_worker, "_is_multi_worker", lambda strategy: True)
+    strategy = tfdp.make_strategy("mirrored", cpu_replicas=2)
+    x = np.ones((8, 3), np.float32)
+    y = np.zeros((8, 1), np.float32)
+    distributed = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    epoch_iterator = _DatasetEpochIterator((tf.constant(x), tf.constant(y)), distributed)
+
+    model._maybe_symbolic_build(iterator=epoch_iterator)
+
+    assert epoch_iterator.pulled == 0
+    assert model._compile_metrics.built and model.optimizer.built
+    spec = keras_multi_worker._local_batch_spec(epoch_iterator)
+    assert [s.shape.as_list()[1:] for s in spec] == [[3], [1]]  # a replica's batch
+    # A spec it cannot take apart: a batch is read, as before.
+    ragged = tf.data.Dataset.from_tensors(tf.ragged.constant([[1.0], [2.0, 3.0]]))
+    assert keras_multi_worker._local_batch_spec(_DatasetEpochIterator(None, ragged)) is None
+
+
 # ------------------------------------------------------------ two workers
 
 
