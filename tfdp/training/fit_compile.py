@@ -178,9 +178,9 @@ def compile(  # pylint: disable=redefined-builtin
             as they are; `"bfloat16"`: summed in bfloat16 (the same as
             `all_reduce_dtype="bfloat16"`); `tfdp.compression.PowerSGD(...)`
             or `tfdp.compression.TopK(...)`: compressed with per-replica
-            error feedback (see the README's communication section). A
-            compressor acts only with more than one replica and needs
-            `nonfinite` set.
+            error feedback (see the README's communication section),
+            sending in `all_reduce_dtype`. A compressor acts only with more
+            than one replica and needs `nonfinite` set.
         sync_every: with more than 1, local SGD: each replica applies its
             own gradients (of its own share of the batch, its loss
             normalised by its own counts) with no gradient all-reduce, and
