@@ -61,8 +61,11 @@ class _MeasuringReduction(tf.distribute.ReductionToOneDevice):
         super().__init__()
         self.calls, self.values, self.gathers = calls, values, gathers
         self.count_metric_reads = count_metric_reads
+        #: The dtype of every counted tensor, appended when it is traced.
+        self.dtypes: list[str] = []
 
     def _count(self, per_replica_values):
+        self.dtypes.extend(v.values[0].dtype.name for v in per_replica_values)
         size = sum(int(np.prod(v.values[0].shape)) for v in per_replica_values)
         return [self.values.assign_add(size)]
 
@@ -88,14 +91,15 @@ def measuring_strategy(replicas: int = 2, *, count_metric_reads: bool = False):
     Returns:
         `(strategy, (all_reduces, values, all_gathers))`: int64 variables
         that grow at run time by one per batched all-reduce, by the values
-        each replica contributes, and by one per all-gather.
+        each replica contributes, and by one per all-gather. The dtype
+        names of the tensors on the wire are in `strategy.wire_dtypes`
+        (recorded when traced).
     """
     counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in range(3)]
     from tfdp._upstream import strategy_internals
 
     strategy_internals.reserve_collective_keys()
-    strategy = tf.distribute.MirroredStrategy(
-        [f"/cpu:{i}" for i in range(replicas)],
-        _MeasuringReduction(*counters, count_metric_reads=count_metric_reads),
-    )
+    measuring = _MeasuringReduction(*counters, count_metric_reads=count_metric_reads)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)], measuring)
+    strategy.wire_dtypes = measuring.dtypes
     return strategy, counters

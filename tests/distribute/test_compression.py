@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -42,8 +43,12 @@ def shares(seed=11):
             for _ in range(STEPS)]
 
 
-def run_compressor(compressor, per_step):
-    """Each step's estimates (replica 0's, and whether every replica got the same) and the counters."""
+def run_compressor(compressor, per_step, all_reduce_dtype=None):
+    """Each step's estimates (replica 0's, and whether every replica got the same) and the counters.
+
+    The counters include `"dtypes"`: the dtypes of the floating-point tensors
+    the collectives carried.
+    """
     strategy, (calls, values, gathers) = measuring_strategy()
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
@@ -57,7 +62,8 @@ def run_compressor(compressor, per_step):
         def replica_fn():
             context = tf.distribute.get_replica_context()
             index = context.replica_id_in_sync_group
-            sums, new_state = compressor.reduce(context, [s[index] for s in stacked])
+            sums, new_state = compressor.reduce(context, [s[index] for s in stacked],
+                                                all_reduce_dtype)
             compressor.commit(new_state, tf.constant(True))
             return sums
 
@@ -67,7 +73,8 @@ def run_compressor(compressor, per_step):
                 np.testing.assert_array_equal(other.numpy(), per_replica[0].numpy())
         outputs.append([per_replica[0].numpy() for per_replica in local])
     counts = {"all_reduces": int(calls.numpy()), "all_gathers": int(gathers.numpy()),
-              "values": int(values.numpy())}
+              "values": int(values.numpy()),
+              "dtypes": {d for d in strategy.wire_dtypes if d.startswith(("float", "bfloat"))}}
     return outputs, initial_state, counts
 
 
@@ -107,18 +114,21 @@ def numpy_powersgd(per_step, initial_qs, plan):
     return outputs, memories
 
 
-def numpy_topk(per_step, fraction):
+def numpy_topk(per_step, fraction, sent_dtype=None):
+    """Top-K with memory; with `sent_dtype` ("bfloat16") the sent values are rounded to it."""
     size = sum(math.prod(s) for s in SHAPES)
     k = max(1, math.ceil(fraction * size))
-    memories = [np.zeros(size) for _ in range(REPLICAS)]
+    work = "float64" if sent_dtype is None else "float32"  # round what tfdp rounds
+    memories = [np.zeros(size, work) for _ in range(REPLICAS)]
     outputs = []
     for step in per_step:
         total = np.zeros(size)
         for r, replica in enumerate(step):
-            acc = np.concatenate([g.ravel() for g in replica]).astype("float64") + memories[r]
+            acc = np.concatenate([g.ravel() for g in replica]).astype(work) + memories[r]
             keep = np.argsort(-np.abs(acc))[:k]
-            sent = np.zeros(size)
-            sent[keep] = acc[keep]
+            sent = np.zeros(size, work)
+            sent[keep] = acc[keep] if sent_dtype is None else (
+                acc[keep].astype(ml_dtypes.bfloat16).astype(work))
             memories[r] = acc - sent
             total += sent
         outputs.append(np.split(total, np.cumsum([math.prod(s) for s in SHAPES])[:-1]))
@@ -190,6 +200,58 @@ def test_topk_equals_sparsified_sgd_with_memory(fraction):
     assert counts["all_reduces"] == 0 and counts["all_gathers"] == STEPS
     assert counts["values"] == k * STEPS
     assert compressor.values_sent([tf.zeros(s) for s in SHAPES]) == 2 * k
+
+
+@pytest.mark.slow
+def test_topk_in_bfloat16_sends_bfloat16_and_keeps_the_rounding_in_memory():
+    """`all_reduce_dtype="bfloat16"` is used, not ignored: the sums are of bfloat16-rounded values.
+
+    The values travel as int32 pairs of bfloat16 (CollectiveGatherV2 takes no
+    bfloat16), which the measuring strategy does not count; the rounding is
+    what shows.
+    """
+    compressor = TopK(fraction=0.3)
+    per_step = shares()
+    outputs, _, counts = run_compressor(compressor, per_step, "bfloat16")
+    assert counts["dtypes"] == set()  # no float32 on the wire
+    expected, memories = numpy_topk(per_step, 0.3, sent_dtype="bfloat16")
+    for got, want in zip(outputs, expected):
+        for g, w in zip(got, want):
+            assert_close(g, w)
+    # Not the float32 result: the rounding is real.
+    float32_expected, _ = numpy_topk(per_step, 0.3)
+    assert not np.allclose(outputs[-1][0].ravel(), float32_expected[-1][0], rtol=1e-5, atol=1e-5)
+    local = [np.array(v) for v in compressor.state[0].values]
+    for got, want in zip(local, memories):
+        assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_powersgd_in_bfloat16_sends_bfloat16_and_loses_nothing_for_good():
+    """Both collectives carry bfloat16; what the estimate leaves out is in the memories."""
+    compressor = PowerSGD(rank=2)
+    per_step = shares()[:2]
+    outputs, _, counts = run_compressor(compressor, per_step, "bfloat16")
+    assert counts["dtypes"] == {"bfloat16"}
+    assert counts["all_reduces"] == 2 * 2 and counts["all_gathers"] == 0
+    # The kept Q factors are sums of bfloat16 values: representable in bfloat16.
+    compressed = sum(e is not None for e in compressor.plan(SHAPES))
+    for q in compressor.state[compressed:]:
+        q = np.array(q.values[0])
+        np.testing.assert_array_equal(q, q.astype(ml_dtypes.bfloat16).astype("float32"))
+    float32_outputs, _, _ = run_compressor(PowerSGD(rank=2), per_step)
+    assert not np.allclose(outputs[0][1], float32_outputs[0][1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outputs[0][1], float32_outputs[0][1], rtol=0.05, atol=0.05)
+    # Error feedback over both steps: Σ shares = Σ estimates + Σ final memories.
+    plan = compressor.plan(SHAPES)
+    for memory, index in zip(compressor.state[:compressed],
+                             [i for i, e in enumerate(plan) if e is not None]):
+        n, m, _ = plan[index]
+        sent = sum(replica[index].reshape(n, m).astype("float64")
+                   for step in per_step for replica in step)
+        kept = sum(np.array(v) for v in memory.values)
+        got = sum(out[index].reshape(n, m) for out in outputs)
+        assert_close(got + kept, sent)
 
 
 def test_topk_with_everything_kept_equals_the_plain_sum():

@@ -69,7 +69,10 @@ class GradientCompressor:
             context: the replica context.
             gradients: this replica's share of each gradient, one dense
                 tensor per variable given to `build`, in that order.
-            all_reduce_dtype: dtype for what is all-reduced uncompressed.
+            all_reduce_dtype: `None` or `"bfloat16"`: the dtype of every
+                floating-point value the compressor sends (a compressor must
+                use it, not ignore it); the rounding goes into its error
+                feedback.
 
         Returns:
             `(sums, new_state)`: the estimates (equal on every replica, each
@@ -138,7 +141,8 @@ def resolve(gradient_compression, all_reduce_dtype: str | None = None):
     """`(all_reduce_dtype, compressor)` for the `gradient_compression` argument.
 
     `"bfloat16"` is `all_reduce_dtype="bfloat16"` (which stays as an alias);
-    a compressor object keeps `all_reduce_dtype` for what it sends uncompressed.
+    a compressor object sends its values in `all_reduce_dtype` (PowerSGD its
+    P and Q factors and the tensors it does not compress, Top-K its values).
 
     Raises:
         ValueError: `gradient_compression` is invalid, or says `"bfloat16"`

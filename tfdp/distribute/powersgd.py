@@ -25,6 +25,12 @@ Vectors (biases, normalisation scales) and matrices where compression does
 not pay (n·m < min_compression_ratio · (n + m)·r) are summed uncompressed
 in the first all-reduce, batched with the P matrices: two collectives per
 step in all.
+
+With `all_reduce_dtype="bfloat16"` both collectives carry bfloat16 (P, Q
+and the uncompressed tensors, cast back to float32 after each sum): half
+the bytes again. The estimate is then built from the rounded sums, and the
+error memory keeps what the rounding left out, as it keeps what the low
+rank left out.
 """
 
 from __future__ import annotations
@@ -114,15 +120,17 @@ class PowerSGD(compression.GradientCompressor):
             matrix = tf.reshape(tf.cast(g, tf.float32), [n, m]) + memory.read_value()
             ms.append(matrix)
             ps.append(tf.matmul(matrix, q.read_value()))
-        # First collective: the uncompressed gradients and every P, one batch.
-        if ps:
-            plain_sums, p_sums = reduction.all_reduce_sum(context, plain, all_reduce_dtype,
-                                                          exact=ps)
-        else:
-            plain_sums, p_sums = reduction.all_reduce_sum(context, plain, all_reduce_dtype), []
+        # First collective: the uncompressed gradients and every P, one batch,
+        # all in `all_reduce_dtype` (one dtype per batch: a bfloat16 batch
+        # cannot carry float32 tensors through the strategy's concat).
+        sums = reduction.all_reduce_sum(context, plain + ps, all_reduce_dtype)
+        plain_sums, p_sums = sums[:len(plain)], sums[len(plain):]
         bases = [tf.linalg.qr(p)[0] for p in p_sums]
+        # Second collective: every Q, in the same dtype. What its rounding
+        # leaves out of the estimate stays in the error memory below.
         q_sums = reduction.all_reduce_sum(
-            context, [tf.matmul(matrix, basis, transpose_a=True) for matrix, basis in zip(ms, bases)]
+            context, [tf.matmul(matrix, basis, transpose_a=True) for matrix, basis in zip(ms, bases)],
+            all_reduce_dtype,
         ) if ms else []
         estimates = [tf.matmul(basis, q, transpose_b=True) for basis, q in zip(bases, q_sums)]
         new_memories = [matrix - estimate / replicas for matrix, estimate in zip(ms, estimates)]

@@ -14,7 +14,11 @@ correction and warm-up):
     sum = Σ_replicas scatter(I, M[I])    one all-gather of k indices + k values
     E = M with the entries at I set to 0
 
-Indices travel as int32, so up to 2³¹ − 1 trainable values.
+Indices travel as int32, so up to 2³¹ − 1 trainable values. With
+`all_reduce_dtype="bfloat16"` the values travel as bfloat16, packed two to
+an int32 (6 bytes a pair instead of 8); what the rounding leaves out of a
+sent value stays in the memory, so it is sent later as the unsent entries
+are.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import math
 import tensorflow as tf
 
 from tfdp.distribute import compression
+from tfdp.distribute import reduction
 
 
 class TopK(compression.GradientCompressor):
@@ -53,7 +58,7 @@ class TopK(compression.GradientCompressor):
         self.state = [self._memory]
 
     def reduce(self, context, gradients, all_reduce_dtype=None):
-        del all_reduce_dtype  # values are sent as float32
+        reduction.check_all_reduce_dtype(all_reduce_dtype)
         total = sum(self._sizes)
         flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in gradients], 0)
         accumulated = flat + self._memory.read_value()
@@ -62,18 +67,25 @@ class TopK(compression.GradientCompressor):
         magnitude = tf.where(tf.math.is_finite(accumulated), tf.abs(accumulated), float("inf"))
         _, indices = tf.math.top_k(magnitude, k=self.k(total), sorted=False)
         values = tf.gather(accumulated, indices)
-        new_memory = tf.tensor_scatter_nd_update(
-            accumulated, indices[:, None], tf.zeros_like(values)
+        if all_reduce_dtype is not None:
+            values = tf.cast(values, all_reduce_dtype)
+        # What is sent leaves the memory; its rounding (if any) stays in it.
+        new_memory = tf.tensor_scatter_nd_sub(
+            accumulated, indices[:, None], tf.cast(values, tf.float32)
         )
-        all_indices, all_values = context.all_gather([indices, values], axis=0)
+        if all_reduce_dtype is None:
+            all_indices, all_values = context.all_gather([indices, values], axis=0)
+        else:
+            all_indices, all_values = _gather_16_bit(context, indices, values)
         # scatter_nd adds the values of repeated indices: the sum over replicas.
-        summed = tf.scatter_nd(all_indices[:, None], all_values, [total])
+        summed = tf.scatter_nd(all_indices[:, None], tf.cast(all_values, tf.float32), [total])
         sums = []
         for g, part in zip(gradients, tf.split(summed, self._sizes)):
             sums.append(tf.cast(tf.reshape(part, tf.shape(g)), g.dtype))
         return sums, [new_memory]
 
     def values_sent(self, variables) -> int:
+        """Values of 4 bytes sent per replica per step: k indices and k values (float32)."""
         return 2 * self.k(sum(int(math.prod(v.shape)) for v in variables))
 
     def get_config(self) -> dict:
@@ -81,3 +93,19 @@ class TopK(compression.GradientCompressor):
 
     def __repr__(self) -> str:
         return f"TopK(fraction={self.fraction})"
+
+
+def _gather_16_bit(context, indices, values):
+    """All-gathers `indices` (int32) and 16-bit `values`, the values two to an int32.
+
+    TensorFlow's collective all-gather (CollectiveGatherV2, what
+    MirroredStrategy and MultiWorkerMirroredStrategy use) takes no bfloat16
+    tensor, so the values travel bit for bit as int32 pairs: 2 bytes each,
+    exactly. Returns `(all_indices, all_values)` in replica order, as
+    `context.all_gather` would.
+    """
+    k = values.shape[0]
+    pairs = tf.reshape(tf.pad(values, [[0, k % 2]]), [-1, 2])
+    all_indices, packed = context.all_gather([indices, tf.bitcast(pairs, tf.int32)], axis=0)
+    unpacked = tf.reshape(tf.bitcast(packed, values.dtype), [context.num_replicas_in_sync, -1])
+    return all_indices, tf.reshape(unpacked[:, :k], [-1])

@@ -27,6 +27,7 @@ from tfdp.training import gc_freeze
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import metric_reads
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import option_rules
 from tfdp.training import step_monitor
 from tfdp.training import sync_points
 from tfdp.training import train_step as train_step_lib
@@ -177,9 +178,9 @@ def compile(  # pylint: disable=redefined-builtin
             as they are; `"bfloat16"`: summed in bfloat16 (the same as
             `all_reduce_dtype="bfloat16"`); `tfdp.compression.PowerSGD(...)`
             or `tfdp.compression.TopK(...)`: compressed with per-replica
-            error feedback (see the README's communication section). A
-            compressor acts only with more than one replica and needs
-            `nonfinite` set.
+            error feedback (see the README's communication section),
+            sending in `all_reduce_dtype`. A compressor acts only with more
+            than one replica and needs `nonfinite` set.
         sync_every: with more than 1, local SGD: each replica applies its
             own gradients (of its own share of the batch, its loss
             normalised by its own counts) with no gradient all-reduce, and
@@ -208,6 +209,8 @@ def compile(  # pylint: disable=redefined-builtin
     Raises:
         ValueError: `accum_steps` or `steps_per_execution` is not a positive
             integer, `nonfinite` or `max_consecutive_nonfinite` is invalid,
+            two options cannot be combined (`tfdp.training.option_rules`
+            names both and what to use instead),
             the optimizer sets `gradient_accumulation_steps`, or
             `jit_compile=True` under a strategy where XLA cannot run (see
             `tfdp.distribute.devices.check_jit_compile_supported`), a
@@ -226,9 +229,20 @@ def compile(  # pylint: disable=redefined-builtin
             f"Received: steps_per_execution={steps_per_execution!r}"
         )
     all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
+    local_sync_lib.check_sync_every(sync_every)
+    nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
+                               compressor, shard_optimizer_state)
+    loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
+        "auto_scale_loss", True
+    )
+    # Every pair of options, before anything is built (tfdp.training.option_rules).
+    option_rules.check(option_rules.TrainingOptions(
+        nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
+        sync_every=sync_every, outer_optimizer=outer_optimizer,
+        shard_optimizer_state=shard_optimizer_state, accum_steps=accum_steps,
+        steps_per_execution=steps_per_execution, loss_scaling=loss_scaling,
+        jit_compile=jit_compile, optimizer=optimizer))
     local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
-    nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
-                                  compressor, local_sync, shard_optimizer_state)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
     tfdp_steps = _check_model(model, loss_normalization, accum_steps, local_sync is not None)
@@ -243,9 +257,6 @@ def compile(  # pylint: disable=redefined-builtin
             "(keras-team/keras#20582). Remove it from the optimizer and pass "
             f"accum_steps={keras_accumulation} to tfdp.compile instead."
         )
-    loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
-        "auto_scale_loss", True
-    )
     if loss_scaling or nonfinite is not None:
         # Under mixed_float16, what Keras' compile would do, with replicas
         # that agree on skipping an overflowing step: the decision is taken

@@ -57,6 +57,7 @@ from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import optimizer_sharding
 from tfdp.distribute import reduction
 from tfdp.distribute import replica_cond
+from tfdp.training import option_rules
 from tfdp._upstream import keras_optimizer_internals
 from tfdp._upstream import keras_optimizer_reduction
 from tfdp._upstream import loss_scale
@@ -78,59 +79,34 @@ def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
                     compressor=None, local_sync=None, shard_optimizer_state=False) -> None:
     """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype`, `compressor`, `local_sync`, `shard_optimizer_state`.
 
+    Each value alone (`check_values`), then every pair of them
+    (`tfdp.training.option_rules`).
+
     Raises:
-        ValueError: one is invalid; `all_reduce_dtype`, `compressor`, local
-            steps or sharded optimizer state are set with `nonfinite=None`
-            (the reduction belongs to the wrappers here); local steps come
-            with a gradient compression (there are no gradient all-reduces to
-            compress) or with sharded optimizer state (each replica steps
-            with its own full slots).
+        ValueError: one is invalid, or a pair of them is refused by
+            `tfdp.training.option_rules`.
+    """
+    check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor,
+                 shard_optimizer_state)
+    option_rules.check(option_rules.TrainingOptions(
+        nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
+        sync_every=1 if local_sync is None else local_sync.sync_every,
+        outer_optimizer=None if local_sync is None else local_sync.outer_optimizer,
+        shard_optimizer_state=shard_optimizer_state))
+
+
+def check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
+                 compressor=None, shard_optimizer_state=False) -> None:
+    """Validates each of these arguments alone (their pairs: `tfdp.training.option_rules`).
+
+    Raises:
+        ValueError: one is invalid.
     """
     reduction.check_all_reduce_dtype(all_reduce_dtype)
     _check_compressor(compressor)
     if not isinstance(shard_optimizer_state, bool):
         raise ValueError("`shard_optimizer_state` must be True or False. "
                          f"Received: shard_optimizer_state={shard_optimizer_state!r}")
-    if shard_optimizer_state and nonfinite is None:
-        raise ValueError(
-            "shard_optimizer_state=True needs tfdp's optimizer wrapper, which comes with its "
-            "non-finite step handling. Use nonfinite='skip' (the default) or 'raise'."
-        )
-    if shard_optimizer_state and local_sync is not None:
-        raise ValueError(
-            "shard_optimizer_state=True cannot be combined with local steps (sync_every > 1 "
-            "or an outer_optimizer): between synchronisations every replica updates all of "
-            "its own weights with its own slots, so there is no state to share out. Drop "
-            "one of the two."
-        )
-    if local_sync is not None:
-        what = ("sync_every=%d" % local_sync.sync_every
-                + ("" if local_sync.outer_optimizer is None else " with an outer_optimizer"))
-        if nonfinite is None:
-            raise ValueError(
-                f"{what} needs tfdp's optimizer wrapper, which comes with its non-finite "
-                "step handling. Use nonfinite='skip' (the default) or 'raise'."
-            )
-        if compressor is not None or all_reduce_dtype is not None:
-            sent = compressor if compressor is not None else repr(all_reduce_dtype)
-            raise ValueError(
-                f"{what} takes local steps without any gradient all-reduce, so "
-                f"gradient_compression={sent} has nothing to compress (the weights are "
-                "averaged exactly, in float32). Drop gradient_compression, or use "
-                "sync_every=1 and no outer_optimizer to compress synchronous training."
-            )
-    if nonfinite is None and compressor is not None:
-        raise ValueError(
-            f"gradient_compression={compressor!r} needs tfdp's gradient reduction, "
-            "which comes with its non-finite step handling. Use nonfinite='skip' "
-            "(the default) or 'raise', or drop gradient_compression."
-        )
-    if nonfinite is None and all_reduce_dtype is not None:
-        raise ValueError(
-            f"all_reduce_dtype={all_reduce_dtype!r} needs tfdp's gradient reduction, "
-            "which comes with its non-finite step handling. Use nonfinite='skip' "
-            "(the default) or 'raise', or drop all_reduce_dtype."
-        )
     if nonfinite is not None and nonfinite not in MODES:
         raise ValueError(
             "`nonfinite` must be 'skip' (skip and count a step whose loss or gradients "

@@ -44,6 +44,7 @@ from tfdp.training import checkpointing
 from tfdp.training import gc_freeze
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import option_rules
 from tfdp.training import replica_state
 from tfdp.training import replica_steps
 from tfdp.training import step_monitor
@@ -174,8 +175,10 @@ class Trainer:
             not with `sync_every > 1`. Defaults to False.
 
     Raises:
-        ValueError: an argument is invalid, the batch does not match the
-            strategy, or the model was not built in `strategy.scope()`.
+        ValueError: an argument is invalid, two options cannot be combined
+            (`tfdp.training.option_rules` names both and what to use
+            instead), the batch does not match the strategy, or the model
+            was not built in `strategy.scope()`.
     """
 
     def __init__(
@@ -222,9 +225,18 @@ class Trainer:
         _checks.check_int("steps_per_loop", steps_per_loop)
         _checks.check_int("checkpoint_every", checkpoint_every, allow_none=True)
         _checks.check_int("max_to_keep", max_to_keep)
+        local_sync_lib.check_sync_every(sync_every)
+        nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
+                                   compressor, shard_optimizer_state)
+        # Every pair of options, before anything is built (tfdp.training.option_rules).
+        option_rules.check(option_rules.TrainingOptions(
+            nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
+            sync_every=sync_every, outer_optimizer=outer_optimizer,
+            shard_optimizer_state=shard_optimizer_state, accum_steps=batch.accum_steps,
+            steps_per_execution=steps_per_loop,
+            loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
+            jit_compile=jit_compile, optimizer=optimizer))
         local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
-        nonfinite_lib.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
-                                      compressor, local_sync, shard_optimizer_state)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
         if not model.built or not model.trainable_variables:
