@@ -33,6 +33,7 @@ from absl import flags  # noqa: E402
 from tfdp.distribute import reduction  # noqa: E402
 from tfdp.app import compatibility  # noqa: E402
 from tfdp.app import data_description  # noqa: E402
+from tfdp.app import process_exit  # noqa: E402
 from tfdp.app import run_config  # noqa: E402
 from tfdp.app import user_data  # noqa: E402
 from tfdp.app.process_logging import configure_logging  # noqa: E402
@@ -403,9 +404,14 @@ def main(argv: Sequence[str]) -> None:
         sys.exit(error.exit_code)
 
 
+def _main_then_exit(argv: Sequence[str]) -> None:
+    main(argv)  # errors raise (or sys.exit) here: the normal exit, traceback and code
+    process_exit.exit_without_teardown(0)
+
+
 def run() -> None:
     """Console-script entry point (`tfdp-train`)."""
-    app.run(main)
+    app.run(_main_then_exit)
 
 
 if __name__ == "__main__":
