@@ -285,6 +285,8 @@ def train_and_evaluate(
     # (make_dataset's epoch_stream): one iterator for the whole run, no
     # pipeline build, iterator or iterator teardown per epoch.
     stream = train_data if getattr(train_data, "streams_epochs", False) else None
+    if stream is not None:
+        stream.epoch_stream = _timed_stream(stream.epoch_stream, clock)
     train_started = time.perf_counter()
     clock.begin("outside_steps")  # what the steps and the rebuilds leave of training
     if config.loop == "fit":
@@ -404,6 +406,17 @@ def _timed_builds(build_dataset: BuildDataset, clock: PhaseClock) -> BuildDatase
         clock.count(f"{role}_pipeline_builds")
         with clock.phase("pipeline_builds"):
             return build_dataset(role, **kwargs)
+
+    return build
+
+
+def _timed_stream(epoch_stream, clock: PhaseClock):
+    """`epoch_stream`, each call a train pipeline build (charged and counted)."""
+
+    def build(*args, **kwargs):
+        clock.count(f"{TRAIN}_pipeline_builds")
+        with clock.phase("pipeline_builds"):
+            return epoch_stream(*args, **kwargs)
 
     return build
 
