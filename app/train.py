@@ -33,13 +33,13 @@ from absl import flags  # noqa: E402
 from tfdp.distribute import reduction  # noqa: E402
 from tfdp.app import compatibility  # noqa: E402
 from tfdp.app import data_description  # noqa: E402
-from tfdp.app import process_exit  # noqa: E402
 from tfdp.app import run_config  # noqa: E402
 from tfdp.app import user_data  # noqa: E402
 from tfdp.app.process_logging import configure_logging  # noqa: E402
 from tfdp.app.process_logging import process_is_chief  # noqa: E402
 from tfdp.app.phase_clock import PhaseClock  # noqa: E402
 from tfdp.app.phase_clock import process_start  # noqa: E402
+from tfdp._upstream import interpreter_exit  # noqa: E402
 from tfdp.distribute import config_check  # noqa: E402
 from tfdp.distribute import peer_failures  # noqa: E402
 from tfdp.distribute import startup  # noqa: E402
@@ -406,7 +406,7 @@ def main(argv: Sequence[str]) -> None:
 
 def _main_then_exit(argv: Sequence[str]) -> None:
     main(argv)  # errors raise (or sys.exit) here: the normal exit, traceback and code
-    process_exit.exit_without_teardown(0)
+    interpreter_exit.exit_without_teardown(0)
 
 
 def run() -> None:

@@ -378,8 +378,8 @@ class InputPipeline:
             raise ValueError(
                 f"{self.source.name}/{self.split}: one dataset can carry many epochs only "
                 f"for training with a seed, drop_remainder and a source that addresses its "
-                f"examples (uncached, shard_policy other than 'off' by context). Build one "
-                f"dataset per epoch instead.")
+                f"examples, uncached and not sharded by input context. Build one dataset "
+                f"per epoch instead.")
         plan, info = self.plan(num_pipelines, num_replicas)
         self.last_info = info
         if index == 0 and not (first_epoch or start_batch):
