@@ -284,3 +284,29 @@ def test_the_trainer_runs_every_epoch_on_one_stream_and_resumes_exactly(tmp_path
     for w, g in zip(want.get_weights(), got.get_weights()):
         np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
     assert first.seen + second.seen == straight.seen
+
+
+@pytest.mark.slow
+def test_class_weight_reaches_a_wrapped_stream_as_keras_applies_it_to_that_epoch(tmp_path):
+    # Under the default strategy each epoch is a tf.data.Dataset, which Keras
+    # maps with the class weights; the wrapped input must do the same.
+    strategy = get_strategy("default")
+    class_weight = {0: 0.0, 1: 3.0, 2: 1.0}
+    dataset = pipelines.make_dataset(Examples(), strategy=strategy, global_batch=GLOBAL_BATCH,
+                                     seed=10)
+    weights = []
+    for how in ("keras", "wrapped", "unweighted"):
+        model = _model(strategy, Recorder(), seed=1)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=_loss())
+        if how == "keras":
+            model.fit(dataset.epoch_stream(0, num_epochs=1), epochs=1, verbose=0,
+                      class_weight=class_weight)
+        else:
+            backup = BackupAndRestore(str(tmp_path / how))
+            model.fit(backup.wrap(dataset), epochs=1, verbose=0, callbacks=[backup],
+                      class_weight=class_weight if how == "wrapped" else None)
+        weights.append(model.get_weights())
+    keras_weights, wrapped, unweighted = weights
+    for got, want in zip(wrapped, keras_weights):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    assert any(not np.allclose(u, w) for u, w in zip(unweighted, keras_weights))

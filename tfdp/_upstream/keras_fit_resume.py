@@ -189,7 +189,11 @@ class EpochInput(_data_adapter.DataAdapter):
         first `still_to_skip` batches (reading them, training nothing).
         """
         if self._epoch_stream is not None:  # this epoch alone, entered where asked
-            return self._epoch_stream(epoch, skip, num_epochs=1), 0
+            dataset = self._epoch_stream(epoch, skip, num_epochs=1)
+            if self.class_weight is not None and isinstance(dataset, tf.data.Dataset):
+                dataset = dataset.map(
+                    _tf_dataset_adapter.make_class_weight_map_fn(self.class_weight))
+            return dataset, 0
         dataset = self._dataset_fn(epoch)
         if not isinstance(dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)):
             raise TypeError(
