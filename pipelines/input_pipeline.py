@@ -77,6 +77,16 @@ def _check_element_spec(spec, where: str, *, check_shapes: bool) -> None:
             )
 
 
+def _prefetched_unsharded(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`dataset` prefetched on the host, marked so that tf.distribute does not
+    shard it again (`InputPipeline` shards)."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF
+    )
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
 class InputPipeline:
     """The `dataset_fn` of `distribute_datasets_from_function`: builds one
     input pipeline's dataset from an `input_context`.
@@ -419,13 +429,8 @@ class InputPipeline:
 
         _checks.check_int("num_epochs", num_epochs, allow_none=True)
         last = 2**62 if num_epochs is None else first_epoch + num_epochs
-        dataset = tf.data.Dataset.range(first_epoch, last).flat_map(one_epoch)
-        dataset = dataset.prefetch(tf.data.AUTOTUNE)  # see `build`
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.OFF
-        )
-        return dataset.with_options(options)
+        return _prefetched_unsharded(  # see `build`
+            tf.data.Dataset.range(first_epoch, last).flat_map(one_epoch))
 
     def build(self, input_context: tf.distribute.InputContext, start_batch: int = 0
               ) -> tf.data.Dataset:
@@ -496,10 +501,4 @@ class InputPipeline:
         # every epoch (tests/pipelines/test_upstream.py). For one GPU, use
         # tf.distribute.OneDeviceStrategy("/gpu:0") (tfdp.make_strategy(
         # "one_device")) to get the device prefetch.
-        dataset = dataset.prefetch(tf.data.AUTOTUNE)
-        options = tf.data.Options()
-        # This function shards; tf.distribute must not shard again.
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.OFF
-        )
-        return dataset.with_options(options)
+        return _prefetched_unsharded(dataset)

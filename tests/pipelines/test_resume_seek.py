@@ -110,6 +110,16 @@ def _source(kind: str, id_files, reads: Counter):
     return id_dataset(NUM_IDS)  # any tf.data.Dataset: the generic path
 
 
+def _counted_dataset(kind: str, strategy, id_files):
+    """`make_dataset` over `kind` (global batch 8, seed 5), its reads and preprocess
+    calls counted: `(dataset, reads, preprocessed)`."""
+    reads, preprocessed = Counter(), Counter()
+    dataset = pipelines.make_dataset(
+        _source(kind, id_files, reads), strategy=strategy, global_batch=8, seed=5,
+        preprocess=lambda features, label: preprocessed(features, label))
+    return dataset, reads, preprocessed
+
+
 # One pipeline; one pipeline per replica (by element: the TFRecord files split
 # unevenly); one pipeline feeding 2 replicas; and the generic path.
 CASES = [
@@ -123,10 +133,7 @@ CASES = [
 def test_a_resumed_epoch_is_the_rest_of_the_epoch_and_preprocesses_only_it(
         kind, strategy_name, id_files):
     strategy = get_strategy(strategy_name)
-    reads, preprocessed = Counter(), Counter()
-    dataset = pipelines.make_dataset(
-        _source(kind, id_files, reads), strategy=strategy, global_batch=8, seed=5,
-        preprocess=lambda features, label: preprocessed(features, label))
+    dataset, reads, preprocessed = _counted_dataset(kind, strategy, id_files)
     steps = dataset.steps_per_epoch  # 10
     full = real_ids(collect(dataset, strategy))
     assert sorted(full) == sorted(set(full)) and len(full) == steps * 8
@@ -259,10 +266,7 @@ STREAM_CASES = [("tfrecord", "mirrored2"), ("indexed", "multiworker_local2"),
 def test_one_stream_carries_every_epoch_and_enters_at_any_epoch_and_batch(
         kind, strategy_name, id_files):
     strategy = get_strategy(strategy_name)
-    reads, preprocessed = Counter(), Counter()
-    dataset = pipelines.make_dataset(
-        _source(kind, id_files, reads), strategy=strategy, global_batch=8, seed=5,
-        preprocess=lambda features, label: preprocessed(features, label))
+    dataset, reads, preprocessed = _counted_dataset(kind, strategy, id_files)
     assert dataset.streams_epochs
     steps = dataset.steps_per_epoch  # 10
     stream = real_ids(collect(dataset.epoch_stream(0, num_epochs=3), strategy))

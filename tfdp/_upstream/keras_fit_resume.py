@@ -189,27 +189,24 @@ class EpochInput(_data_adapter.DataAdapter):
         first `still_to_skip` batches (reading them, training nothing).
         """
         if self._epoch_stream is not None:  # this epoch alone, entered where asked
-            dataset = self._epoch_stream(epoch, skip, num_epochs=1)
-            if self.class_weight is not None and isinstance(dataset, tf.data.Dataset):
-                dataset = dataset.map(
-                    _tf_dataset_adapter.make_class_weight_map_fn(self.class_weight))
-            return dataset, 0
-        dataset = self._dataset_fn(epoch)
-        if not isinstance(dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)):
-            raise TypeError(
-                f"`dataset_fn` must return a tf.data.Dataset of global batches or a "
-                f"distributed dataset. Received: dataset_fn({epoch}) -> "
-                f"{type(dataset).__name__}"
-            )
-        batches = self._num_batches(dataset)
-        if 0 <= batches < self._steps_per_epoch:
-            raise ValueError(
-                f"Every epoch must have the same number of batches ({self._steps_per_epoch}) "
-                f"for its position to be restorable. Received: dataset_fn({epoch}) has "
-                f"{batches}. Keep the data and global batch the same in every epoch "
-                f"(batch with drop_remainder=True)."
-            )
-        dataset, left = self._start_at(dataset, skip)
+            dataset, left = self._epoch_stream(epoch, skip, num_epochs=1), 0
+        else:
+            dataset = self._dataset_fn(epoch)
+            if not isinstance(dataset, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+                raise TypeError(
+                    f"`dataset_fn` must return a tf.data.Dataset of global batches or a "
+                    f"distributed dataset. Received: dataset_fn({epoch}) -> "
+                    f"{type(dataset).__name__}"
+                )
+            batches = self._num_batches(dataset)
+            if 0 <= batches < self._steps_per_epoch:
+                raise ValueError(
+                    f"Every epoch must have the same number of batches ({self._steps_per_epoch}) "
+                    f"for its position to be restorable. Received: dataset_fn({epoch}) has "
+                    f"{batches}. Keep the data and global batch the same in every epoch "
+                    f"(batch with drop_remainder=True)."
+                )
+            dataset, left = self._start_at(dataset, skip)
         if isinstance(dataset, tf.distribute.DistributedDataset):
             return dataset, left
         if self.class_weight is not None:  # as Keras' TFDatasetAdapter does
