@@ -1,7 +1,8 @@
 """Shared pytest set-up for tfdp.
 
-Tiers: `python -m pytest` (CI) runs every test; `python -m pytest -m "not
-slow"` is the developer tier, which leaves out every test marked `slow`: those
+Tiers: `python -m pytest -n auto` (CI) runs every test, in as many test
+processes as there are CPUs (at most 4; pytest-xdist, one test file per
+process at a time); `python -m pytest -n auto -m "not slow"` is the developer tier, which leaves out every test marked `slow`: those
 that start worker processes and those that took a second or more on a 2-core
 machine (the slowest case of a parametrised test decides for all of its cases).
 
@@ -22,6 +23,22 @@ TEST_CPU_DEVICES = 4
 import tfdp  # noqa: E402
 
 tfdp.configure_cpu_devices(TEST_CPU_DEVICES)
+
+#: At most this many test processes for `-n auto` (pytest-xdist).
+MAX_TEST_PROCESSES = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one test process per CPU this process may run on, at most `MAX_TEST_PROCESSES`.
+
+    The suite's time is half start-up, tracing and waiting for worker
+    processes, during which one test process leaves a 2-core machine's second
+    core idle (busy 59% of a serial run, 2026-11-27): two test processes use it.
+    More than four would mostly compete: every multi-worker test starts two or
+    more TensorFlow processes of its own.
+    """
+    del config
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_TEST_PROCESSES))
 
 
 @pytest.fixture(autouse=True)
