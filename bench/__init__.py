@@ -21,6 +21,7 @@ same minutes of the same machine, each in fresh processes with deadlines:
 `workloads` defines the networks and data, `procs` runs processes,
 `worker` is the measurement processes' entry point, `suite` the order and
 sizes, `targets` the issue's thresholds, `report` the output files, `link`
-the shaped link of `--link`. Nothing
+the shaped link of `--link`, `straggler` a worker held to a fraction of a
+CPU (a CPU cgroup; `python -m tfdp.bench.straggler`). Nothing
 here is imported by the rest of tfdp.
 """
