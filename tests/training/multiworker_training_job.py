@@ -91,6 +91,26 @@ def counted_batches(epoch):
     ).batch(GLOBAL_BATCH, drop_remainder=True)
 
 
+#: Examples of each global batch read by worker 0 and worker 1: unequal shares.
+UNEQUAL_PLAN = (11, 5)
+
+
+def unequal_share_batches(worker, epoch=0):
+    """Worker `worker`'s slice of every global batch of `global_batches(epoch)`, per `UNEQUAL_PLAN`.
+
+    Batched without `drop_remainder`, so the batch dimension is unknown: the
+    workers hold different numbers of examples.
+    """
+    import tensorflow as tf
+
+    x, y = arrays()
+    order = epoch_order(epoch)
+    start = sum(UNEQUAL_PLAN[:worker])
+    rows = np.concatenate([order[s * GLOBAL_BATCH + start: s * GLOBAL_BATCH + start
+                                 + UNEQUAL_PLAN[worker]] for s in range(STEPS_PER_EPOCH)])
+    return tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(UNEQUAL_PLAN[worker])
+
+
 def padded_eval_batches():
     """The evaluation set for `build_counting_model()` (ids unused), zero-weight padded."""
     import tensorflow as tf
@@ -288,6 +308,30 @@ def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
     for i, w in enumerate(model.get_weights()):
         results[f"{name}_weight{i}"] = np.asarray(w, "float32")
     _TRAINED[name] = model
+    return results
+
+
+def _unequal_shares_case(tfdp, strategy, counter):
+    """`fit` on each worker's unequal share of every global batch (`UNEQUAL_PLAN`).
+
+    `unequal_*`: global loss normalisation (the default); `unequal_keras_*`:
+    `loss_normalization="per_replica"`, Keras' mean of per-worker means, the
+    negative control.
+    """
+    results = {}
+    for name, normalization in (("unequal", "global"), ("unequal_keras", "per_replica")):
+        with strategy.scope():
+            model = build_model()
+            tfdp.compile(model, optimizer=optimizer(), loss=loss(), metrics=["accuracy"],
+                         loss_normalization=normalization)
+        dataset = strategy.distribute_datasets_from_function(
+            lambda context: unequal_share_batches(context.input_pipeline_id))
+        before = int(counter.numpy())
+        model.fit(dataset, epochs=1, steps_per_epoch=STEPS_PER_EPOCH, verbose=0)
+        results[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
+        results[f"{name}_grad_allreduces"] = int(counter.numpy()) - before
+        for i, w in enumerate(model.get_weights()):
+            results[f"{name}_weight{i}"] = np.asarray(w, "float32")
     return results
 
 
@@ -550,6 +594,7 @@ def main(out_dir: str) -> None:
     timed("loss_forms", _loss_form_cases, tfdp, strategy)
     timed("compression", _compression_cases, tfdp, strategy, counter)
     timed("local", _local_cases, tfdp, strategy, counter)
+    timed("unequal", _unequal_shares_case, tfdp, strategy, counter)
     timed("zero", _fit_case, tfdp, strategy, counter, "zero", make_optimizer=adamw_optimizer,
           accum_steps=ACCUM_STEPS, shard_optimizer_state=True)
     results["scratch_created"] = len(scratch)

@@ -224,6 +224,27 @@ def test_local_steps_on_two_workers_equal_two_replicas_in_one_process(workers, n
         assert int(record[f"{name}_grad_allreduces"]) == syncs
 
 
+def test_unequal_shares_of_each_global_batch_on_two_workers_equal_one_device(workers):
+    """Worker 0 reads 11 and worker 1 reads 5 examples of every global batch of 16.
+
+    The ground of balanced per-worker batches (issue 35): global loss
+    normalisation divides every worker's numerators by the examples of the
+    whole global batch, summed in the gradients' own all-reduce (the batch
+    dimension is unknown), so any split is one device's step.
+    """
+    _, records = workers
+    reference = _one_device_fit()
+    for record in records:
+        assert int(record["unequal_iterations"]) == job.STEPS_PER_EPOCH
+        _assert_weights(record, "unequal", reference.get_weights(), atol=1e-5)
+        # The examples ride in the gradients' all-reduce: no extra collective.
+        assert int(record["unequal_grad_allreduces"]) == job.STEPS_PER_EPOCH
+        # Negative control: Keras' mean of the two workers' means weights
+        # worker 1's 5 examples as much as worker 0's 11, and the comparison
+        # tells that apart.
+        assert _max_difference(record, "unequal_keras", reference.get_weights()) > 1e-3
+
+
 def test_sharded_optimizer_state_on_two_workers_equals_one_device(workers):
     """ZeRO-1 across processes: the gradients reduce-scattered by all-to-all, each worker
     updates its half of AdamW's state, then the workers all-gather the weights."""
