@@ -62,6 +62,14 @@ def main(argv) -> None:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     if _QUICK.value and _SMOKE.value:
         raise app.UsageError("--quick and --smoke are two sizes of the suite: pass one of them.")
+    from tfdp.bench import link
+
+    if _SHAPED_LINK.value is not None:  # before TensorFlow is imported: a second, not ten
+        try:
+            link.check_rate(_SHAPED_LINK.value)
+        except ValueError as error:
+            raise app.UsageError(str(error)) from None
+        _exit_if_the_link_cannot_be_shaped(link.why_unavailable())
     from tfdp.bench import report
     from tfdp.bench import suite
 
@@ -86,14 +94,10 @@ def main(argv) -> None:
             config = suite.SuiteConfig(**overrides)
     except ValueError as error:
         raise app.UsageError(str(error)) from None
-    from tfdp.bench import link
-
     try:
         results = suite.run_suite(config)
     except link.LinkUnavailable as error:
-        print(f"[tfdp.bench] --link={_SHAPED_LINK.value}: cannot shape the link: {error}",
-              file=sys.stderr)
-        sys.exit(2)
+        _exit_if_the_link_cannot_be_shaped(str(error))
     paths = report.write(results, _OUT_DIR.value)
     print(report.markdown(results))
     print(f"[tfdp.bench] wrote {', '.join(paths.values())}")
@@ -101,6 +105,14 @@ def main(argv) -> None:
     if failed:
         print(f"[tfdp.bench] failed cases: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)
+
+
+def _exit_if_the_link_cannot_be_shaped(reason: str | None) -> None:
+    """Exits with status 2 and one line saying why, when there is a `reason`."""
+    if reason is not None:
+        print(f"[tfdp.bench] --link={_SHAPED_LINK.value}: cannot shape the link: {reason}",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 def run() -> None:
