@@ -2,7 +2,7 @@
 
 A compressor replaces the one batched all-reduce SUM of the gradients
 (`tfdp.distribute.reduction.all_reduce_sum`) inside tfdp's optimizer
-wrappers (`tfdp.training.nonfinite`). Each replica hands it its share of the
+wrappers (`tfdp.training.exchanges.compressed`). Each replica hands it its share of the
 gradient (the shares sum to the global batch's gradient, as tfdp's train
 steps make them); it returns, identically on every replica, an estimate of
 that sum, and keeps what the estimate left out in per-replica *error
