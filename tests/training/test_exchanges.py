@@ -79,6 +79,7 @@ CASES = {
                       "gradient_compression": lambda: tfdp.compression.TopK(fraction=0.5)},
                      sharded.Sharded, "memories+slots"),
     "local_sgd": ({"sync_every": 2}, local_steps.LocalSteps, "slots"),
+    "float8": ({"gradient_compression": "float8"}, compressed.Compressed, "memories"),
 }
 
 
@@ -217,6 +218,7 @@ GRADIENT_PATH = (
     "tfdp/distribute/reduction.py", "tfdp/distribute/compression.py",
     "tfdp/distribute/powersgd.py", "tfdp/distribute/topk.py", "tfdp/distribute/local_sync.py",
     "tfdp/distribute/optimizer_sharding.py", "tfdp/distribute/shard_layout.py",
+    "tfdp/distribute/float8.py",
 )
 
 
