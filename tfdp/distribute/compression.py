@@ -2,7 +2,7 @@
 
 A compressor replaces the one batched all-reduce SUM of the gradients
 (`tfdp.distribute.reduction.all_reduce_sum`) inside tfdp's optimizer
-wrappers (`tfdp.training.nonfinite`). Each replica hands it its share of the
+wrappers (`tfdp.training.exchanges.compressed`). Each replica hands it its share of the
 gradient (the shares sum to the global batch's gradient, as tfdp's train
 steps make them); it returns, identically on every replica, an estimate of
 that sum, and keeps what the estimate left out in per-replica *error
@@ -15,8 +15,10 @@ without a collective. The wrappers build them with the optimizer and commit
 a step's new state only when the step is applied, so a skipped non-finite
 step leaves the memories as they were.
 
-This module holds the protocol and the argument checks; `powersgd.py` and
-`topk.py` the two compressors.
+This module holds the protocol and the argument checks; `powersgd.py`,
+`topk.py` and `float8.py` the compressors, each registered by subclassing
+`GradientCompressor` (by class name for optimizer configs, and by
+`option_name` for a `gradient_compression` string).
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-#: String values of `gradient_compression` (besides the compressor objects).
+#: String values of `gradient_compression` that set `all_reduce_dtype`.
 NAMES = ("bfloat16",)
+#: Compressor classes by class name (optimizer configs) and by `option_name`.
+REGISTERED: dict = {}
+NAMED: dict = {}
 
 
 class GradientCompressor:
@@ -40,6 +45,18 @@ class GradientCompressor:
 
     #: Per-replica state variables, in the order `reduce` returns new values.
     state: list
+    #: The `gradient_compression` string that makes one with no arguments, or None.
+    option_name: str | None = None
+    #: The dtype it always sends its values in (then `all_reduce_dtype` is
+    #: refused with it: `tfdp.training.option_rules`), or None: it sends in
+    #: `all_reduce_dtype`.
+    wire_dtype: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        REGISTERED[cls.__name__] = cls
+        if cls.option_name is not None:
+            NAMED[cls.option_name] = cls
 
     def __init__(self):
         self.state = []
@@ -116,11 +133,13 @@ def check(gradient_compression) -> None:
     """Raises ValueError unless `gradient_compression` is None, a name in `NAMES` or a compressor."""
     if gradient_compression is None or isinstance(gradient_compression, GradientCompressor):
         return
-    if isinstance(gradient_compression, str) and gradient_compression in NAMES:
+    if isinstance(gradient_compression, str) and (gradient_compression in NAMES
+                                                  or gradient_compression in NAMED):
         return
     raise ValueError(
         "`gradient_compression` must be None (all-reduce the gradients as they are), "
-        "'bfloat16' (sum them in bfloat16: half the bytes), "
+        "'bfloat16' (sum them in bfloat16: half the bytes), 'float8' (8-bit floats with "
+        "a per-tensor scale and error feedback: a quarter of the bytes), "
         "tfdp.compression.PowerSGD(rank=...) or tfdp.compression.TopK(fraction=...). "
         f"Received: gradient_compression={gradient_compression!r}"
     )
@@ -151,6 +170,13 @@ def resolve(gradient_compression, all_reduce_dtype: str | None = None):
     check(gradient_compression)
     if gradient_compression is None or isinstance(gradient_compression, GradientCompressor):
         return all_reduce_dtype, gradient_compression
+    if gradient_compression in NAMED:
+        if all_reduce_dtype is not None:
+            raise ValueError(
+                f"gradient_compression={gradient_compression!r} cannot be combined with "
+                f"all_reduce_dtype={all_reduce_dtype!r}: it sends its own {gradient_compression} "
+                "values, so the dtype would be ignored. Pass only gradient_compression.")
+        return None, NAMED[gradient_compression]()
     if all_reduce_dtype not in (None, gradient_compression):
         raise ValueError(
             f"gradient_compression={gradient_compression!r} and "

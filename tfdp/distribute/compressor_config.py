@@ -1,13 +1,15 @@
 """Compressors in optimizer configs: `serialize` and `deserialize` by class name.
 
-Kept apart from `compression.py` (the base class) because it needs every
-compressor class, and they import the base.
+Kept apart from `compression.py` (the base class) because it imports every
+compressor module, so that each has registered its class.
 """
 
 from __future__ import annotations
 
-from tfdp.distribute import powersgd
-from tfdp.distribute import topk
+from tfdp.distribute import compression
+from tfdp.distribute import float8  # noqa: F401  (registers Float8)
+from tfdp.distribute import powersgd  # noqa: F401  (registers PowerSGD)
+from tfdp.distribute import topk  # noqa: F401  (registers TopK)
 from tfdp.distribute.compression import GradientCompressor
 
 
@@ -22,7 +24,7 @@ def deserialize(config: dict | None) -> GradientCompressor | None:
     """The compressor `serialize` described."""
     if config is None:
         return None
-    classes = {"PowerSGD": powersgd.PowerSGD, "TopK": topk.TopK}
+    classes = compression.REGISTERED
     if config.get("class_name") not in classes:
         raise ValueError(f"Unknown gradient compressor {config.get('class_name')!r}; "
                          f"known: {sorted(classes)}.")

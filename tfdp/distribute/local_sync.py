@@ -20,8 +20,9 @@ counter since the last synchronisation, the anchors and the outer optimizer's
 slots are equal on every replica and live in the wrapper's variables, so
 they are checkpointed with the optimizer.
 
-This module owns the synchronisation; `tfdp.training.nonfinite`'s wrappers
-call it after each local step, and `sync_pending` at the points where
+This module owns the synchronisation; the local-step exchange
+(`tfdp.training.exchanges.local_steps`) of tfdp's optimizer wrappers
+calls it after each local step, and `sync_pending` at the points where
 weights must be the same everywhere (ends of epochs, evaluation, saving).
 """
 

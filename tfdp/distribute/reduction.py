@@ -1,7 +1,7 @@
 """How tfdp sums gradients over replicas: one batched all-reduce, optionally in bfloat16.
 
 `all_reduce_sum` is the reduction every tfdp training path uses (through the
-optimizer wrappers of `tfdp.training.nonfinite`): one batched all-reduce of the
+exchange `tfdp.training.exchanges.all_reduce`): one batched all-reduce of the
 gradients, as Keras does inside its optimizer. With
 `all_reduce_dtype="bfloat16"` each float32 (or float64) gradient is cast to
 bfloat16 before the all-reduce and back after it, so half the bytes cross the
@@ -13,12 +13,12 @@ moving the bytes is a large part of the step: on 2 CPU workers over loopback
 gRPC, a step of a 10M-parameter MLP (40 MB of gradients) took 119 ms instead
 of 263 ms; the benchmark CNN (1.15 MB, latency-bound) gained 2%.
 
-The finiteness check of `tfdp.training.nonfinite` reads the reduced gradients after
+The finiteness check of `tfdp.training.verdict` reads the reduced gradients after
 they are cast back: an Inf or NaN survives the round trip, so a non-finite
 step is still skipped on every replica.
 
 This module owns the reduction only; the optimizer wrappers decide when it
-runs (`tfdp.training.nonfinite`), `tfdp.compile` and `tfdp.Trainer` pass the dtype.
+runs (`tfdp.training.exchanges`), `tfdp.compile` and `tfdp.Trainer` pass the dtype.
 """
 
 from __future__ import annotations

@@ -2,7 +2,12 @@
 
 - `batch`: per-replica × replicas × accumulation = global batch;
 - `accumulation`: micro-batches and `tfdp.compile` for `model.fit`;
-- `nonfinite`: the optimizer wrappers that skip NaN/Inf steps everywhere alike;
+- `nonfinite`: the optimizer wrappers that skip NaN/Inf steps everywhere alike (the
+  public names; the verdict and counters are `verdict`'s, the step
+  exchange -> verdict -> apply -> finish `optimizer_step`'s, the loss scale
+  `loss_scaling`'s);
+- `exchanges`: how gradients or weights cross replicas, one module per way
+  (all-reduce, compressed, sharded, local steps);
 - `step_monitor`: after each training call, skips logged and the limit enforced; no non-finite save;
 - `trainer`: `tfdp.Trainer`, the outer loop (epochs, checkpoints, resuming exactly);
 - `replica_steps`: its inner loop, one replica's train and eval step in a `tf.function`;

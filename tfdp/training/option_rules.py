@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from tfdp.distribute import compression
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainingOptions:
@@ -98,7 +100,8 @@ class Rule:
     def message(self, options: TrainingOptions) -> str:
         """The ValueError's text: both options as received, the reason, the fix."""
         return (f"{self.first.format(o=options)} cannot be combined with "
-                f"{self.second.format(o=options)}: {self.why} {self.instead}")
+                f"{self.second.format(o=options)}: {self.why.format(o=options)} "
+                f"{self.instead}")
 
 
 _NEEDS_WRAPPER = ("runs inside tfdp's optimizer wrapper, which comes with the non-finite "
@@ -127,6 +130,13 @@ RULES: tuple[Rule, ...] = (
          "weights are averaged exactly, in float32).",
          "Use gradient_compression=None and all_reduce_dtype=None with local steps, or "
          "sync_every=1 and no outer_optimizer to compress synchronous training."),
+    Rule("gradient_compression={o.compressor!r}", "all_reduce_dtype={o.all_reduce_dtype!r}",
+         lambda o: (o.all_reduce_dtype is not None
+                    and isinstance(o.compressor, compression.GradientCompressor)
+                    and o.compressor.wire_dtype is not None),
+         "the compressor always sends its own {o.compressor.wire_dtype} values, so the dtype "
+         "would be ignored.",
+         "Pass all_reduce_dtype=None with it."),
     Rule("{o.local_steps}", "shard_optimizer_state=True",
          lambda o: o.steps_locally and o.shard_optimizer_state,
          "between synchronisations every replica updates all of its own weights with its "

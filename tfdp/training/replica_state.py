@@ -49,21 +49,26 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdp.distribute import optimizer_sharding
+from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
+from tfdp.training import wrapping
 
 SUBDIRECTORY = "replica_state"
 
 
+def _exchange_of(optimizer):
+    """The exchange of a tfdp optimizer wrapper; None for any other optimizer."""
+    guard = wrapping.guard_of(optimizer)
+    return None if guard is None else guard.exchange
+
+
 def variables_of(optimizer) -> list:
-    """The variables of a tfdp optimizer wrapper that differ between replicas (may be empty)."""
-    compressor = getattr(optimizer, "compressor", None)
-    found = list(compressor.state) if compressor is not None else []
-    sharding = getattr(optimizer, "sharding", None)
-    if getattr(optimizer, "local_sync", None) is not None or (
-            sharding is not None and sharding.active):
-        found += list(optimizer.inner_optimizer.variables)
-    return found
+    """The variables of a tfdp optimizer wrapper that differ between replicas (may be empty).
+
+    What its exchange declares (`tfdp.training.exchanges.Exchange.state_variables`).
+    """
+    exchange = _exchange_of(optimizer)
+    return [] if exchange is None else list(exchange.state_variables)
 
 
 def _distributed(variable):
@@ -193,7 +198,8 @@ class ReplicaStateFiles:
                 incomplete; nothing is changed.
         """
         optimizer = self._optimizer()
-        sharding = getattr(optimizer, "sharding", None)
+        exchange = _exchange_of(optimizer)
+        sharding = None if exchange is None else exchange.sharding
         layouts = self._files_by_layout(step)
         own = layouts.get(self._workers, {}).get(self._worker)
         if own is not None and _local_replicas_of(own) == self._local_replicas:
@@ -202,7 +208,7 @@ class ReplicaStateFiles:
             if own is not None:
                 raise self._other_layout(step, own, _local_replicas_of(own))
             return None  # restore() says what is missing
-        if getattr(optimizer, "compressor", None) is not None:
+        if not exchange.state_repartitions:  # e.g. error memories beside the chunks
             if layouts:
                 raise self._other_layout(step, own or sorted(
                     p for files in layouts.values() for p in files.values())[0],
@@ -361,7 +367,7 @@ class Repartition:
         with self._strategy.scope():
             stand_in = type(real).from_config(real.get_config())
             if self._old_files is None:
-                stand_in.build(self._optimizer.sharding.variables)
+                stand_in.build(_exchange_of(self._optimizer).sharding.variables)
         wrapper.inner_optimizer = stand_in
         try:
             yield
@@ -389,7 +395,7 @@ class Repartition:
                 variables or sizes).
         """
         inner = self._optimizer.inner_optimizer
-        sharding = self._optimizer.sharding
+        sharding = _exchange_of(self._optimizer).sharding
         weights = sharding.variables
         variables = list(inner.variables)
         if self._old_files is None and self._whole is None:
@@ -402,7 +408,7 @@ class Repartition:
                 f"The checkpoint's optimizer state has {old_count} variables; this run's "
                 f"{type(inner).__name__} has {len(variables)}. Resume with the optimizer "
                 "that wrote it. Nothing was changed.")
-        owners = optimizer_sharding.slot_variables(inner, len(weights))
+        owners = shard_layout.slot_variables(inner, len(weights))
         first = self._worker * self._local_replicas
         values = []
         for index, (variable, owner) in enumerate(zip(variables, owners)):
@@ -411,7 +417,7 @@ class Repartition:
                 per_replica = [old[0]] * self._local_replicas
             else:
                 weight = weights[owner]
-                cut = optimizer_sharding.repartition(
+                cut = shard_layout.repartition(
                     old, int(np.prod(weight.shape)), sharding.num_shards if sharding.active else 1)
                 if sharding.active:
                     per_replica = [cut[first + r] for r in range(self._local_replicas)]

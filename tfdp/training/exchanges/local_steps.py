@@ -1,0 +1,64 @@
+"""The local-step exchange (local SGD, DiLoCo): no gradient crosses; the weights meet every `sync_every` steps.
+
+Each replica applies its own gradients with its own copy of the inner
+optimizer's slots, so `exchange` sends nothing: it only lets DiLoCo remember
+the weights a window starts from. `finish` counts the step and, after
+`sync_every` of them, averages the weights (local SGD) or takes DiLoCo's
+outer step, in one exact float32 all-reduce (`tfdp.distribute.local_sync`,
+which owns the synchronisation). `sync_pending` synchronises a window cut
+short (ends of epochs, evaluation, saves).
+
+Per-replica state: the inner optimizer's slots, which every replica updates
+with its own gradients and which cannot be re-cut for another number of
+replicas. The counter, DiLoCo's anchors and its outer optimizer's slots are
+equal on every replica and are the wrapper's own variables.
+"""
+
+from __future__ import annotations
+
+from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.training.exchanges import base
+
+
+class LocalSteps(base.Exchange):
+    """Local steps synchronised by `local_sync`.
+
+    Args:
+        optimizer: the wrapper it exchanges for; owns the counter and anchors.
+        local_sync: the `tfdp.distribute.local_sync.LocalSync`.
+    """
+
+    state_repartitions = False
+    steps_locally = True
+
+    def __init__(self, optimizer, local_sync: local_sync_lib.LocalSync):
+        super().__init__(optimizer)
+        self.local_sync = local_sync
+
+    @property
+    def state_variables(self) -> list:
+        return list(self.optimizer.inner_optimizer.variables)
+
+    @property
+    def extra_optimizer_variables(self) -> list:
+        return self.local_sync.outer_variables
+
+    @property
+    def tracked_objects(self) -> dict:
+        # So that tf.train.Checkpoint tracks the outer optimizer's slots as it
+        # tracks the inner optimizer's.
+        outer = self.local_sync.outer_optimizer
+        return {} if outer is None else {"outer_optimizer": outer}
+
+    def build(self, variables: list) -> None:
+        self.local_sync.build(self.optimizer, variables)
+
+    def exchange(self, step: base.Step) -> base.Step:
+        self.local_sync.before_step()
+        return step.replace(reduced=True)  # each replica applies its own
+
+    def finish(self, context) -> None:
+        self.local_sync.after_step(context)
+
+    def sync_pending(self) -> None:
+        self.local_sync.sync_pending()
