@@ -40,6 +40,8 @@ from typing import Iterator, Sequence
 #: Where cgroup v1 mounts the CPU controller, and the v2 hierarchy.
 V1_CPU_ROOT = "/sys/fs/cgroup/cpu"
 V2_ROOT = "/sys/fs/cgroup"
+#: The name of every group made here starts so, then the creating process's pid.
+PREFIX = "tfdp-straggler-"
 #: The CFS period (µs): 100 ms, the kernel's default.
 PERIOD_US = 100_000
 #: Groups this process made, numbered so that two in one process differ.
@@ -128,7 +130,8 @@ def cpu_limited(cpu_fraction: float, *, name: str | None = None) -> Iterator[Cpu
     Args:
         cpu_fraction: CPUs of time per `PERIOD_US` (0.5: half of one CPU).
         name: the group's directory name. Defaults to
-            `tfdp-straggler-<pid>-<n>`.
+            `tfdp-straggler-<pid>-<n>`. Empty groups of processes that are
+            gone are removed first (`remove_orphans`).
 
     Yields:
         The `CpuGroup`; put processes in with `add(pid)`.
@@ -143,7 +146,8 @@ def cpu_limited(cpu_fraction: float, *, name: str | None = None) -> Iterator[Cpu
     if reason is not None:
         raise StragglerUnavailable(reason)
     root, version = _hierarchy()
-    path = os.path.join(root, name or f"tfdp-straggler-{os.getpid()}-{next(_COUNTER)}")
+    remove_orphans(root)
+    path = os.path.join(root, name or f"{PREFIX}{os.getpid()}-{next(_COUNTER)}")
     quota = max(1000, round(cpu_fraction * PERIOD_US))
     try:
         os.mkdir(path)
@@ -163,6 +167,26 @@ def cpu_limited(cpu_fraction: float, *, name: str | None = None) -> Iterator[Cpu
         yield CpuGroup(path, version, float(cpu_fraction))
     finally:
         _remove(path, parent=root)
+
+
+def remove_orphans(root: str) -> list[str]:
+    """Removes the empty groups whose creating process is gone; returns their paths.
+
+    A wrapper killed with SIGKILL (as `tfdp-launch` ends a worker that
+    outlives its grace period) cannot remove its group; the next
+    `cpu_limited` on the machine does. Groups that still hold processes are
+    left alone.
+    """
+    removed = []
+    for entry in os.listdir(root):
+        owner = entry[len(PREFIX):].split("-", 1)[0]
+        if not entry.startswith(PREFIX) or not owner.isdigit() or os.path.exists(
+                f"/proc/{owner}"):
+            continue
+        with contextlib.suppress(OSError):  # not empty, or removed meanwhile
+            os.rmdir(os.path.join(root, entry))
+            removed.append(os.path.join(root, entry))
+    return removed
 
 
 def _remove(path: str, *, parent: str) -> None:
@@ -195,16 +219,29 @@ def run_wrapped(command: Sequence[str], *, cpu_fraction: float, rank: int | None
     slowed = rank is None or (this_rank is not None and int(this_rank) == rank)
     with contextlib.ExitStack() as stack:
         group = stack.enter_context(cpu_limited(cpu_fraction)) if slowed else None
-        # The child starts inside the group: a process started before it
-        # joined could leave threads outside.
-        preexec = None if group is None else (lambda: group.add(os.getpid()))
-        child = subprocess.Popen(list(command), preexec_fn=preexec)
-        forwarded = {s: signal.signal(s, lambda signum, _: child.send_signal(signum))
-                     for s in (signal.SIGTERM, signal.SIGINT)}
+        forwarded_signals = {signal.SIGTERM, signal.SIGINT}
+
+        def in_child():
+            # Inside the group before the command starts (threads it starts
+            # later follow), with the signals this wrapper holds back open.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded_signals)
+            if group is not None:
+                group.add(os.getpid())
+
+        # A SIGTERM between starting the child and forwarding must not end
+        # this wrapper alone (the group would be left behind): held back
+        # until the handler that forwards it is in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, forwarded_signals)
+        try:
+            child = subprocess.Popen(list(command), preexec_fn=in_child)
+            previous = {s: signal.signal(s, lambda signum, _: child.send_signal(signum))
+                        for s in forwarded_signals}
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded_signals)
         try:
             status = child.wait()
         finally:
-            for s, handler in forwarded.items():
+            for s, handler in previous.items():
                 signal.signal(s, handler)
     return 128 - status if status < 0 else status
 

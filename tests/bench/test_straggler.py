@@ -96,3 +96,31 @@ def test_the_command_line_refuses_a_missing_command_and_a_bad_fraction():
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2
         assert message in done.stderr, done.stderr
+
+
+def test_an_empty_group_left_by_a_killed_wrapper_is_removed_by_the_next_one():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone
+    root, _ = straggler._hierarchy()
+    orphan = os.path.join(root, f"{straggler.PREFIX}{child.pid}-0")
+    os.mkdir(orphan)
+    try:
+        with straggler.cpu_limited(0.5):
+            assert not os.path.exists(orphan)
+    finally:
+        if os.path.exists(orphan):
+            os.rmdir(orphan)
+
+
+def test_the_wrapper_passes_sigterm_on_and_removes_its_group():
+    before = _leftover_groups()
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "tfdp.bench.straggler", "--", sys.executable, "-c",
+         "import signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))\n"
+         "print('ready', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    assert wrapper.stdout.readline().strip() == "ready"
+    wrapper.terminate()
+    assert wrapper.wait(timeout=30) == 42  # the command's own exit, after its handler
+    assert _leftover_groups() == before
