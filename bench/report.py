@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 
+from tfdp.bench.time_to_accuracy import KERAS_FLOOR
+
 #: The issue's numbers, measured before tfdp on this machine (one thread per
 #: worker, same kind of CNN, per-replica batch 64): global images/s.
 ISSUE_BASELINE = {
@@ -230,7 +232,9 @@ def _time_to_accuracy(case) -> list[str]:
              "steady epoch (s) | reached | load average (1 min) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in case["rows"]:
-        labels = TTA_METHOD_LABELS if r["framework"] == "tfdp" else TTA_HOOK_LABELS
+        labels = (TTA_METHOD_LABELS if r["framework"] == "tfdp" else
+                  {"none": "none (no strategy, no tfdp)"} if r["framework"] == KERAS_FLOOR
+                  else TTA_HOOK_LABELS)
         lines.append(
             f"| {r['framework']} | {labels.get(r['method'], r['method'])} | "
             f"{_spread(r['seconds_to_target_spread'])} | {_spread(r['epochs_to_target'], 0)} | "
@@ -240,6 +244,11 @@ def _time_to_accuracy(case) -> list[str]:
                   f"{_f(case.get('plain_over_best_tfdp'), 2)}; DDP's best "
                   f"({case.get('best_ddp')}) ÷ it {_f(case.get('best_ddp_over_best_tfdp'), 2)} "
                   "(above 1: the tfdp method is sooner)."]
+    if case.get("best_ddp_over_keras_floor") is not None:
+        lines += ["", f"The floor: plain Keras in one process, with nothing to exchange, takes "
+                      f"{_f(1 / case['best_ddp_over_keras_floor'], 2)}x DDP's best to reach 0.95; "
+                      "its first epoch is Keras building and first running its train and test "
+                      "functions, which every Keras toolkit pays."]
     if case.get("ddp_skipped"):
         lines += ["", f"*DDP not run: {case['ddp_skipped']}*"]
     return lines

@@ -91,6 +91,8 @@ class SuiteConfig:
             (`tfdp.bench.time_to_accuracy.DDP_HOOKS`).
         tta_max_epochs: epochs after which a time-to-accuracy run stops
             short of the target.
+        tta_keras_floor: also run the time-to-accuracy job in plain one-process
+            Keras each round (`time_to_accuracy.measure_keras`), the floor.
         fixed_costs_epochs: epochs of every `fixed_costs` job (the README's
             main job trains 10), each run `repeats` times.
         cases: the cases to run (names from `CASES`; every one by default).
@@ -130,6 +132,7 @@ class SuiteConfig:
     tta_methods: tuple[str, ...] = time_to_accuracy.TFDP_METHODS
     tta_hooks: tuple[str, ...] = time_to_accuracy.DDP_HOOKS
     tta_max_epochs: int = 30
+    tta_keras_floor: bool = True
     fixed_costs_epochs: int = 10
     cases: tuple[str, ...] = CASES
 
@@ -357,7 +360,8 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
         cases["communication"] = _not_selected(config)
     cases["time_to_accuracy"] = guarded("time_to_accuracy", "time_to_accuracy",
                                         lambda: time_to_accuracy.run(
-        tfdp_methods=config.tta_methods, ddp_hooks=config.tta_hooks, repeats=config.repeats,
+        tfdp_methods=config.tta_methods, ddp_hooks=config.tta_hooks,
+        keras_floor=config.tta_keras_floor, repeats=config.repeats,
         max_epochs=config.tta_max_epochs, threads=config.threads,
         timeout=config.timeout(900),
     ))

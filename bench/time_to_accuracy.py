@@ -50,6 +50,8 @@ import time
 TFDP_METHODS = ("plain", "bfloat16", "powersgd", "topk", "local_sgd", "diloco")
 #: DDP hooks (`tfdp.bench.peer_torch.HOOKS`).
 DDP_HOOKS = ("none", "fp16", "powersgd")
+#: The framework name of the one-process plain-Keras row (`measure_keras`).
+KERAS_FLOOR = "Keras, one process"
 _DEFAULTS = {"per_replica_batch": 32, "learning_rate": 0.05, "momentum": 0.9,
              "max_epochs": 30, "target": 0.95, "threads": 1, "seed": 0, "rank": 4,
              "fraction": 0.01, "local_sgd_sync_every": 8, "diloco_sync_every": 16,
@@ -110,18 +112,25 @@ def _compile_arguments(method: str, spec: dict) -> dict:
                      f"Received: method={method!r}")
 
 
-def measure_tfdp(spec: dict) -> dict:
-    """One tfdp run (a `tfdp.bench.worker` job on every worker): spec `method`, `data`."""
-    spec = {**_DEFAULTS, **spec}
+def _fit_to_target(spec: dict, strategy, global_batch: int, compile_model) -> dict:
+    """Trains the digits `cnn` with `model.fit` until `spec["target"]`; the timing both Keras rows share.
+
+    Args:
+        spec: the job spec, defaults merged.
+        strategy: the `tf.distribute.Strategy` whose scope builds the model.
+        global_batch: examples per step over all replicas.
+        compile_model: `compile_model(model, steps_per_execution=S, **compile_kwargs)`,
+            `tfdp.compile` or `keras.Model.compile`.
+
+    Returns:
+        `_summary` of the run plus `"steps_per_execution"`.
+    """
     import keras
     import numpy as np
     import tensorflow as tf
-    import tfdp
     from tfdp import models
 
-    strategy = tfdp.make_strategy()
     data = np.load(spec["data"])
-    global_batch = spec["per_replica_batch"] * strategy.num_replicas_in_sync
     steps = len(data["y_train"]) // global_batch  # drop the remainder, as DDP's loop does
     # Repeated, with steps_per_epoch: one iterator for the whole run; each
     # pass is one reshuffled epoch of `steps` whole batches.
@@ -133,11 +142,10 @@ def measure_tfdp(spec: dict) -> dict:
     keras.utils.set_random_seed(spec["seed"])
     with strategy.scope():
         model = models.get("cnn", input_shape=(8, 8, 1), num_classes=10)
-        tfdp.compile(model, optimizer=keras.optimizers.SGD(spec["learning_rate"],
-                                                           momentum=spec["momentum"]),
-                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                     metrics=["accuracy"], steps_per_execution=steps_per_execution,
-                     **_compile_arguments(spec["method"], spec))
+        compile_model(model, optimizer=keras.optimizers.SGD(spec["learning_rate"],
+                                                            momentum=spec["momentum"]),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=steps_per_execution)
     epoch_ends, accuracies = [], []
 
     class Clock(keras.callbacks.Callback):
@@ -153,10 +161,40 @@ def measure_tfdp(spec: dict) -> dict:
 
     model.fit(train, steps_per_epoch=steps, validation_data=test, epochs=spec["max_epochs"],
               verbose=0, callbacks=[Clock()])
-    return {"framework": "tfdp", "method": spec["method"],
-            "workers": tfdp.strategy_info(strategy).num_workers,
-            "steps_per_execution": steps_per_execution,
+    return {"steps_per_execution": steps_per_execution,
             **_summary(epoch_ends, accuracies, spec["target"])}
+
+
+def measure_tfdp(spec: dict) -> dict:
+    """One tfdp run (a `tfdp.bench.worker` job on every worker): spec `method`, `data`."""
+    spec = {**_DEFAULTS, **spec}
+    import tfdp
+
+    strategy = tfdp.make_strategy()
+    arguments = _compile_arguments(spec["method"], spec)
+    result = _fit_to_target(
+        spec, strategy, spec["per_replica_batch"] * strategy.num_replicas_in_sync,
+        lambda model, **kwargs: tfdp.compile(model, **kwargs, **arguments))
+    return {"framework": "tfdp", "method": spec["method"],
+            "workers": tfdp.strategy_info(strategy).num_workers, **result}
+
+
+def measure_keras(spec: dict) -> dict:
+    """The floor: plain Keras in one process, no strategy and no tfdp (spec `data`).
+
+    The same model, data, global batch (`per_replica_batch` x 2), optimizer,
+    steps per call, evaluation and stopping rule as the 2-worker rows, on
+    one process with the same threads as one worker. Nothing is exchanged,
+    so its first epoch is what Keras on TensorFlow costs before any
+    communication (building and first running the train and test
+    functions), whichever toolkit distributes it.
+    """
+    spec = {**_DEFAULTS, **spec}
+    import tensorflow as tf
+
+    result = _fit_to_target(spec, tf.distribute.get_strategy(), spec["per_replica_batch"] * 2,
+                            lambda model, **kwargs: model.compile(**kwargs))
+    return {"framework": KERAS_FLOOR, "method": "none", "workers": 1, **result}
 
 
 def build_torch_digits_cnn():
@@ -222,13 +260,15 @@ def measure_torch(spec: dict) -> dict:
             **_summary(epoch_ends, accuracies, spec["target"])}
 
 
-def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, repeats: int = 1,
-        timeout: float = 900.0, **spec) -> dict:
+def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, keras_floor: bool = True,
+        repeats: int = 1, timeout: float = 900.0, **spec) -> dict:
     """Every method at 2 workers, `repeats` times (over the current link, `procs.through_link`).
 
     Args:
         tfdp_methods: names from `TFDP_METHODS`.
         ddp_hooks: names from `DDP_HOOKS` (skipped without PyTorch).
+        keras_floor: also run `measure_keras` (one process, no link) in
+            every round: the time no Keras-on-TensorFlow toolkit can beat.
         repeats: launches per method, in rounds: every method once, then
             again, so a burst of load on a shared machine hits them alike.
         timeout: seconds per launch.
@@ -263,6 +303,11 @@ def run(*, tfdp_methods=TFDP_METHODS, ddp_hooks=DDP_HOOKS, repeats: int = 1,
         data = os.path.join(directory, "digits.npz")
         write_digits(data)
         for round_index in range(repeats):
+            if keras_floor:
+                load = machine.load_average()
+                row = procs.run_job("time_to_accuracy_keras", {**spec, "data": data},
+                                    nproc=None, timeout=timeout)
+                runs.append({**row, "round": round_index, "load_average_at_start": load})
             for method in tfdp_methods:
                 load = machine.load_average()
                 row = procs.run_job("time_to_accuracy_tfdp",
@@ -335,19 +380,24 @@ def compare(rows: list) -> dict:
 
     Returns:
         `{"best_tfdp", "plain_over_best_tfdp", "best_ddp",
-        "best_ddp_over_best_tfdp"}`: ratios of seconds to target (above 1:
-        the best tfdp method is sooner); None where a side has no row or the
-        best tfdp method never reached the target.
+        "best_ddp_over_best_tfdp", "best_ddp_over_keras_floor"}`: ratios of
+        seconds to target (above 1: the best tfdp method, or the one-process
+        Keras floor, is sooner); None where a side has no row or did not
+        reach the target. `best_ddp_over_keras_floor` bounds what any Keras
+        toolkit can reach: `best_ddp_over_best_tfdp` cannot exceed it by
+        more than the two workers' halved compute gives.
     """
     def seconds(row):
         return row["seconds_to_target"] if row["seconds_to_target"] is not None else float("inf")
 
     tfdp_rows = [r for r in rows if r["framework"] == "tfdp"]
-    ddp_rows = [r for r in rows if r["framework"] != "tfdp"]
+    ddp_rows = [r for r in rows if r["framework"] not in ("tfdp", KERAS_FLOOR)]
+    floor = next((r for r in rows if r["framework"] == KERAS_FLOOR), None)
     best = min(tfdp_rows, key=seconds, default=None)
     plain = next((r for r in tfdp_rows if r["method"] == "plain"), None)
     best_ddp = min(ddp_rows, key=seconds, default=None)
     finite = best is not None and seconds(best) < float("inf")
+    floor_finite = floor is not None and seconds(floor) < float("inf")
     return {
         "best_tfdp": best and best["method"],
         "plain_over_best_tfdp": (seconds(plain) / seconds(best)
@@ -355,6 +405,8 @@ def compare(rows: list) -> dict:
         "best_ddp": best_ddp and best_ddp["method"],
         "best_ddp_over_best_tfdp": (seconds(best_ddp) / seconds(best)
                                     if finite and best_ddp is not None else None),
+        "best_ddp_over_keras_floor": (seconds(best_ddp) / seconds(floor)
+                                      if floor_finite and best_ddp is not None else None),
     }
 
 
@@ -381,6 +433,8 @@ def main(argv=None) -> int:
                         help="tfdp methods, comma-separated")
     parser.add_argument("--hooks", default=",".join(DDP_HOOKS),
                         help="DDP hooks, comma-separated (empty: none)")
+    parser.add_argument("--no_keras_floor", dest="keras_floor", action="store_false",
+                        help="leave out the one-process plain-Keras row")
     parser.add_argument("--steps_per_execution", type=int, default=None,
                         help="tfdp steps per tf.function call (default: one epoch)")
     args = parser.parse_args(argv)
@@ -398,7 +452,7 @@ def main(argv=None) -> int:
                                  else contextlib.nullcontext()):
             result = run(tfdp_methods=[m for m in args.methods.split(",") if m],
                          ddp_hooks=[h for h in args.hooks.split(",") if h],
-                         repeats=args.repeats, max_epochs=args.max_epochs,
+                         keras_floor=args.keras_floor, repeats=args.repeats, max_epochs=args.max_epochs,
                          steps_per_execution=args.steps_per_execution)
     except (ValueError, link_lib.LinkUnavailable) as error:
         print(f"python -m tfdp.bench.time_to_accuracy: {error}", file=sys.stderr)

@@ -313,6 +313,11 @@ def test_time_to_accuracy_reads_the_first_epoch_at_the_target():
     assert compared["best_tfdp"] == "topk" and compared["best_ddp"] == "powersgd"
     assert compared["plain_over_best_tfdp"] == 3.0
     assert compared["best_ddp_over_best_tfdp"] == 2.0
+    assert compared["best_ddp_over_keras_floor"] is None  # no floor row
+    floor = time_to_accuracy.compare(rows + [row(time_to_accuracy.KERAS_FLOOR, "none", 25.0)])
+    # The floor is neither a tfdp method nor DDP's best, however fast it is.
+    assert (floor["best_tfdp"], floor["best_ddp"]) == ("topk", "powersgd")
+    assert floor["best_ddp_over_keras_floor"] == 20.0 / 25.0
 
 
 def _tta_run(framework, method, epoch_ends, accuracies, load=2.0):
@@ -386,6 +391,16 @@ def test_time_to_accuracy_targets_and_report():
                for line in markdown)
     assert any("`fp16_compress_hook`" in line and "8.0 (8.0–8.0)" in line for line in markdown)
     assert any("tfdp plain ÷ it 3.00" in line and "÷ it 1.60" in line for line in markdown)
+    assert not any("The floor" in line for line in markdown)
+    case = {**time_to_accuracy.summarize([
+        _tta_run("tfdp", "diloco", [4.0, 5.0], [0.9, 0.96]),
+        _tta_run(time_to_accuracy.KERAS_FLOOR, "none", [3.0, 4.0], [0.9, 0.96]),
+        _tta_run("PyTorch DDP", "fp16", [1.0, 2.0], [0.9, 0.96]),
+    ]), "repeats": 1, "ddp_skipped": None, "status": "ok"}
+    markdown = report._time_to_accuracy(case)  # pylint: disable=protected-access
+    assert any("Keras, one process | none (no strategy, no tfdp) | 4.0 (4.0–4.0)" in line
+               for line in markdown)
+    assert any("takes 2.00x DDP's best" in line for line in markdown)
 
 
 @pytest.mark.parametrize("overrides", [{"tta_methods": ()}, {"tta_methods": ("adam",)},
@@ -546,17 +561,22 @@ def test_time_to_accuracy_gives_both_peers_the_same_threads(monkeypatch):
     specs = []
 
     def fake_run_job(job, spec, *, nproc, timeout):
-        specs.append((job, dict(spec)))
-        return _tta_run("tfdp" if job.endswith("tfdp") else "PyTorch DDP", "m", [1.0], [0.96])
+        specs.append((job, dict(spec), nproc))
+        framework = {"time_to_accuracy_tfdp": "tfdp", "time_to_accuracy_torch": "PyTorch DDP",
+                     "time_to_accuracy_keras": time_to_accuracy.KERAS_FLOOR}[job]
+        return _tta_run(framework, "m", [1.0], [0.96])
 
     monkeypatch.setattr(procs, "run_job", fake_run_job)
     monkeypatch.setattr(time_to_accuracy, "write_digits", lambda path: None)
     monkeypatch.setattr(peer_torch, "torch_missing_reason", lambda: None)
     time_to_accuracy.run(tfdp_methods=["plain"], ddp_hooks=["none"])
-    time_to_accuracy.run(tfdp_methods=["plain"], ddp_hooks=["none"], threads=2)
-    assert [(job, spec["threads"]) for job, spec in specs] == [
-        ("time_to_accuracy_tfdp", 1), ("time_to_accuracy_torch", 1),
-        ("time_to_accuracy_tfdp", 2), ("time_to_accuracy_torch", 2)]
+    time_to_accuracy.run(tfdp_methods=["plain"], ddp_hooks=["none"], threads=2,
+                         keras_floor=False)
+    # The floor is one plain process (no launcher, no TF_CONFIG) with one worker's threads.
+    assert [(job, spec["threads"], nproc) for job, spec, nproc in specs] == [
+        ("time_to_accuracy_keras", 1, None), ("time_to_accuracy_tfdp", 1, 2),
+        ("time_to_accuracy_torch", 1, 2),
+        ("time_to_accuracy_tfdp", 2, 2), ("time_to_accuracy_torch", 2, 2)]
 
 
 def test_smoke_config_keeps_every_case_and_path_of_quick_at_smaller_sizes():

@@ -73,13 +73,14 @@ def test_smoke_suite_writes_every_case(tmp_path):
         assert results["cases"]["peer_torch"]["status"] == "ok"
         assert ddp_paths == {"none", *communication_lib.DDP_HOOKS}
         assert [(r["framework"], r["method"], r["runs"]) for r in tta["rows"]] == [
-            ("tfdp", "diloco", 1), ("PyTorch DDP", "powersgd", 1)]
+            ("Keras, one process", "none", 1), ("tfdp", "diloco", 1),
+            ("PyTorch DDP", "powersgd", 1)]
     else:
         peer = results["cases"]["peer_torch"]
         assert (peer["status"], peer["reason"]) == ("skipped", ddp_skipped)
         assert ddp_paths == set()
         assert [(r["framework"], r["method"], r["runs"]) for r in tta["rows"]] == [
-            ("tfdp", "diloco", 1)]
+            ("Keras, one process", "none", 1), ("tfdp", "diloco", 1)]
     for run in tta["runs"]:  # 1 epoch each (--smoke), each evaluated
         assert len(run["epoch_ends"]) == len(run["accuracies"]) >= 1
         assert 0.0 <= run["accuracies"][-1] <= 1.0
