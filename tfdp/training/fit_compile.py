@@ -18,6 +18,7 @@ import keras
 
 from tfdp import _checks
 from tfdp._upstream import keras_loss_terms
+from tfdp._upstream import keras_spare_iterator
 from tfdp._upstream import keras_train_function
 from tfdp.distribute import compression
 from tfdp.distribute import devices
@@ -295,6 +296,9 @@ def compile(  # pylint: disable=redefined-builtin
             )
     # steps_per_execution > 1: fit and evaluate reduce the logs once per execution, not per step.
     keras_train_function.install(model, tfdp_step=tfdp_steps)
+    if model.distribute_strategy.num_replicas_in_sync > 1:
+        # No distributed iterator built after each pass only to be thrown away.
+        keras_spare_iterator.install()
     if nonfinite_lib.guard_of(model.optimizer) is not None:
         # After every execution: log skips, stop at the limit.
         step_monitor.install_fit_check(
