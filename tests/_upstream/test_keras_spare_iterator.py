@@ -61,6 +61,7 @@ def _evaluate_twice(strategy, dataset):
     return [model.evaluate(dataset, verbose=0, return_dict=True) for _ in range(2)]
 
 
+@pytest.mark.slow
 def test_keras_spare_iterator_is_skipped_and_nothing_else_changes(iterator_builds):
     """Keras builds one iterator more per pass than it reads (the upstream
     behaviour this module exists for); without it the logs are the same."""
@@ -75,6 +76,7 @@ def test_keras_spare_iterator_is_skipped_and_nothing_else_changes(iterator_build
     assert tfdp_logs == keras_logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["reshuffling", "one_replica"])
 def test_keras_loop_runs_unchanged_where_skipping_could_matter(iterator_builds, case):
     """A reshuffling input draws a seed per iterator; one replica gains nothing."""
@@ -89,6 +91,7 @@ def test_keras_loop_runs_unchanged_where_skipping_could_matter(iterator_builds, 
     assert counts[0] == counts[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [False, True], ids=["fixed_order", "reshuffled"])
 def test_fit_with_validation_is_keras_own(iterator_builds, shuffle):
     """Every figure equals Keras' unpatched loop; reshuffled inputs keep every iterator."""
