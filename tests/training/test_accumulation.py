@@ -167,6 +167,19 @@ def test_bad_accum_steps(accum_steps):
         fit_compile.compile(_model(), optimizer="sgd", loss="mse", accum_steps=accum_steps)
 
 
+@pytest.mark.parametrize("steps_per_execution", [0, -2, 3.0, True, "4"])
+def test_bad_steps_per_execution(steps_per_execution):
+    with pytest.raises(ValueError, match="`steps_per_execution` must be a positive integer"):
+        fit_compile.compile(_model(), optimizer="sgd", loss="mse",
+                            steps_per_execution=steps_per_execution)
+
+
+def test_numpy_steps_per_execution_reaches_keras_as_an_int():
+    model = fit_compile.compile(_model(), optimizer="sgd", loss="mse",
+                                steps_per_execution=np.int64(3))
+    assert model.steps_per_execution == 3 and type(model.steps_per_execution) is int
+
+
 def test_keras_gradient_accumulation_is_refused_with_the_fix():
     optimizer = keras.optimizers.SGD(gradient_accumulation_steps=4)
     with pytest.raises(ValueError, match="accum_steps=4 to tfdp.compile"):

@@ -220,15 +220,7 @@ def compile(  # pylint: disable=redefined-builtin
             message says what to write instead).
     """
     _checks.check_int("accum_steps", accum_steps, hint=" (1 means no accumulation)")
-    if (
-        isinstance(steps_per_execution, bool)
-        or not isinstance(steps_per_execution, int)
-        or steps_per_execution < 1
-    ):
-        raise ValueError(
-            "`steps_per_execution` must be a positive integer. "
-            f"Received: steps_per_execution={steps_per_execution!r}"
-        )
+    steps_per_execution = _checks.check_int("steps_per_execution", steps_per_execution)
     all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
     local_sync_lib.check_sync_every(sync_every)
     nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
