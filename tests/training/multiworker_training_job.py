@@ -27,7 +27,12 @@ the global batches of `global_batches(0)`, one epoch:
   (with and without accumulation) and `tfdp.Trainer`: final weights and
   logged loss;
 - `jit_error`: what `tfdp.compile(jit_compile=True)` raised: on CPU workers
-  tfdp refuses it (TensorFlow has no XLA collectives on CPU).
+  tfdp refuses it (TensorFlow has no XLA collectives on CPU);
+- `validation_<kept|keras>_*`: `fit` with `validation_data` for
+  `VALIDATION_EPOCHS` epochs, `steps_per_execution=3` over 4 validation
+  batches (the last partial), with tfdp's one validation iterator
+  (`keras_spare_iterator.keep_validation_iterator`) and with Keras' own loop:
+  the logs, and the distributed iterators Keras' loop built.
 
 The test imports this module too, for the data, models and optimizers (one
 source of truth for the workers and the single-device references).
@@ -339,6 +344,51 @@ def _unequal_shares_case(tfdp, strategy, counter):
 _TRAINED = {}
 
 
+#: Epochs of the validation case: enough passes for one iterator to serve several.
+VALIDATION_EPOCHS = 3
+
+
+def validation_batches():
+    """`EVAL_EXAMPLES` examples in global batches: 16, 16, 16 and a partial 2."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices(arrays(EVAL_EXAMPLES, seed=1)).batch(GLOBAL_BATCH)
+
+
+def _validation_case(tfdp, strategy):
+    """`fit(validation_data=...)` with one kept validation iterator, and with Keras' loop."""
+    from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+    from tfdp._upstream import keras_spare_iterator
+
+    builds = []
+    original = keras_tf_trainer.TFEpochIterator._get_iterator
+
+    def counting(self):
+        builds.append(1)
+        return original(self)
+
+    keras_tf_trainer.TFEpochIterator._get_iterator = counting
+    results = {}
+    try:
+        for name, install in (("keras", keras_spare_iterator.uninstall),
+                              ("kept", keras_spare_iterator.install)):
+            with strategy.scope():
+                model = build_model()
+                tfdp.compile(model, optimizer=optimizer(), loss=loss(), metrics=["accuracy"],
+                             steps_per_execution=3)
+            install()  # after tfdp.compile, which installs it
+            del builds[:]
+            history = model.fit(global_batches(), validation_data=validation_batches(),
+                                epochs=VALIDATION_EPOCHS, verbose=0)
+            results[f"validation_{name}_builds"] = len(builds)
+            for key in ("loss", "val_loss", "val_accuracy"):
+                results[f"validation_{name}_{key}"] = np.asarray(history.history[key], "float64")
+    finally:
+        keras_tf_trainer.TFEpochIterator._get_iterator = original
+        keras_spare_iterator.install()
+    return results
+
+
 def _keras_save_case(name, path):
     """Tries `model.save(path)` on case `name`'s model; `{name}_keras_save_error` ("" if saved).
 
@@ -595,6 +645,7 @@ def main(out_dir: str) -> None:
     timed("compression", _compression_cases, tfdp, strategy, counter)
     timed("local", _local_cases, tfdp, strategy, counter)
     timed("unequal", _unequal_shares_case, tfdp, strategy, counter)
+    timed("validation", _validation_case, tfdp, strategy)
     timed("zero", _fit_case, tfdp, strategy, counter, "zero", make_optimizer=adamw_optimizer,
           accum_steps=ACCUM_STEPS, shard_optimizer_state=True)
     results["scratch_created"] = len(scratch)

@@ -385,6 +385,28 @@ def test_evaluate_on_two_workers_is_exact(workers):
         assert float(record["eval_loss"]) == pytest.approx(loss, rel=1e-5)
 
 
+def test_validation_passes_share_one_iterator_with_keras_own_logs(workers):
+    """fit's validation reads one distributed iterator for all its passes, exactly.
+
+    Keras' loop asks for two iterators per pass, training and validation
+    alike (one it reads, one it builds at the pass's end and throws away);
+    tfdp asks for one per training epoch and none for validation (its one
+    iterator of the input repeated is built once, outside Keras' count).
+    The logs, validation and training alike, must be Keras' own to the bit.
+    """
+    _, records = workers
+    epochs = job.VALIDATION_EPOCHS
+    for record in records:
+        for key in ("loss", "val_loss", "val_accuracy"):
+            np.testing.assert_array_equal(record[f"validation_kept_{key}"],
+                                          record[f"validation_keras_{key}"], err_msg=key)
+        assert len(record["validation_kept_val_loss"]) == epochs
+        # One element_spec read at fit's start (tfdp's symbolic build), then
+        # per epoch: Keras 2 for training + 2 for validation; tfdp 1 + 0.
+        assert int(record["validation_keras_builds"]) == 1 + 4 * epochs
+        assert int(record["validation_kept_builds"]) == 1 + epochs
+
+
 def test_jit_compile_on_cpu_workers_is_refused_with_the_reason(workers):
     # TensorFlow 2.21 has no XLA collectives on CPU (b/194942685): tried, the
     # first step fails with UnimplementedError and the peer aborts. tfdp.compile

@@ -23,19 +23,38 @@ length, and whose dataset graph holds no op that draws seeds or random
 numbers (`may_draw_seeds`). Everywhere else, and if the graph cannot be
 read, Keras' own loop runs unchanged.
 
+One iterator for every validation pass of `fit`. Each validation pass
+(`evaluate(_use_cached_eval_dataset=True)`, fit's cached
+`_eval_epoch_iterator`) still builds a new distributed iterator, after
+tearing the last one down. Under `MultiWorkerMirroredStrategy`, for an input
+that qualifies as above, `keep_validation_iterator(model)` (called by
+tfdp's `evaluate` when `fit` validates) makes every pass read one iterator
+of the input repeated: each pass reads exactly its own batches, in its own
+order, because an execution that would run past the pass's end gets a
+`keras_train_function.StepBound` (so it needs tfdp's test function when a
+call runs more than one step). Only there: under `MultiWorkerMirroredStrategy`
+tfdp's `_maybe_symbolic_build` never reads a batch from the epoch iterator
+outside a pass (`keras_multi_worker`), which a kept iterator needs; Keras'
+own reads one per `evaluate` under `MirroredStrategy`.
+
 `tests/_upstream/test_keras_spare_iterator.py` checks that Keras still
 builds the spare iterator (the reason this module exists) and that skipping
-it changes no result.
+it changes no result; `tests/training/test_multiworker_training.py` checks
+that a kept validation iterator gives Keras' own validation logs on 2
+workers.
 """
 
 from __future__ import annotations
 
 import threading
 
+import tensorflow as tf
+
 from keras.src.trainers import epoch_iterator as _epoch_iterator
 from keras.src.trainers.data_adapters import tf_dataset_adapter as _tf_dataset_adapter
 
 from tfdp._upstream import _versions
+from tfdp._upstream import keras_train_function as _keras_train_function
 
 #: The Keras (major, minor) versions this module was written against.
 KNOWN_KERAS_RANGE = ((3, 0), (3, 15))
@@ -123,9 +142,46 @@ def _without_spare(iterator, passes):
         del iterator._get_iterator
 
 
+def keep_validation_iterator(model) -> bool:
+    """Makes `fit`'s validation passes share one distributed iterator (see above).
+
+    Call it before each `evaluate(..., _use_cached_eval_dataset=True)`; it
+    marks `model._eval_epoch_iterator` when that qualifies.
+
+    Returns:
+        True if the passes will share one iterator.
+    """
+    iterator = getattr(model, "_eval_epoch_iterator", None)
+    strategy = getattr(iterator, "_distribute_strategy", None)
+    if (iterator is None or strategy is None
+            or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            or (iterator.steps_per_execution > 1
+                and not _keras_train_function.evaluate_takes_step_bound(model))):
+        return False
+    if getattr(iterator, "_tfdp_keeps", None) is None:
+        iterator._tfdp_keeps = (_skips_spare(iterator) and isinstance(
+            iterator.data_adapter.get_tf_dataset(), tf.data.Dataset))
+    return iterator._tfdp_keeps
+
+
+def _kept_passes(iterator, passes):
+    """Keras' pass (`passes`) over one kept iterator of the input repeated."""
+    if "_get_iterator" not in vars(iterator):
+        repeated = iterator.data_adapter.get_tf_dataset().repeat()
+        kept = iter(iterator._distribute_strategy.experimental_distribute_dataset(repeated))
+        iterator._get_iterator = lambda: kept
+    step_size, total = iterator.steps_per_execution, iterator._num_batches
+    for begin, end, distributed in passes:
+        if step_size > 1 and begin + step_size > total:  # the pass ends inside this call
+            distributed = _keras_train_function.StepBound(distributed, total - begin)
+        yield begin, end, distributed
+
+
 def _make_enumerate_iterator(original):
     def _enumerate_iterator(self):
         passes = original(self)
+        if getattr(self, "_tfdp_keeps", False) and _active:
+            return _kept_passes(self, passes)
         return _without_spare(self, passes) if _skips_spare(self) else passes
 
     return _enumerate_iterator

@@ -107,6 +107,12 @@ def takes_step_bound(model: keras.Model) -> bool:
     return isinstance(method, functools.partial) and method.func is make_train_function
 
 
+def evaluate_takes_step_bound(model: keras.Model) -> bool:
+    """Whether `model.evaluate`'s test function honours a `StepBound` (tfdp's is installed)."""
+    method = vars(model).get("make_test_function")
+    return isinstance(method, functools.partial) and method.func is make_test_function
+
+
 def applies_to(model: keras.Model, *, tfdp_step: bool = False, step: str = "train_step") -> bool:
     """Whether `model`'s `step` returns its metrics' results (so logs can wait).
 

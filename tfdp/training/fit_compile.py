@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import keras
+import tensorflow as tf
 
 from tfdp import _checks
 from tfdp._upstream import keras_loss_terms
@@ -32,6 +33,13 @@ from tfdp.training import option_rules
 from tfdp.training import step_monitor
 from tfdp.training import sync_points
 from tfdp.training import train_step as train_step_lib
+
+
+def _evaluate_keeping_validation_iterator(model, evaluate, *args, **kwargs):
+    """`evaluate`, first keeping fit's validation iterator (`keras_spare_iterator`)."""
+    if kwargs.get("_use_cached_eval_dataset"):
+        keras_spare_iterator.keep_validation_iterator(model)
+    return evaluate(*args, **kwargs)
 
 
 def _overrides(model: keras.Model, name: str) -> bool:
@@ -298,6 +306,10 @@ def compile(  # pylint: disable=redefined-builtin
         )
     if local_sync is not None:
         sync_points.install_fit_sync(model)
+    if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        # fit's validation passes share one distributed iterator where exact.
+        model.evaluate = functools.partial(_evaluate_keeping_validation_iterator, model,
+                                           model.evaluate)
     # Full garbage collections would stall every worker in turn (see gc_freeze).
     model.fit = functools.partial(gc_freeze.fit_with_frozen_heap, model.fit)
     for name in gc_freeze.CALL_METHODS:
