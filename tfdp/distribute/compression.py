@@ -85,7 +85,9 @@ class GradientCompressor:
         Args:
             context: the replica context.
             gradients: this replica's share of each gradient, one dense
-                tensor per variable given to `build`, in that order.
+                tensor per variable given to `build`, in that order; None
+                for a variable without a gradient this step (the same on
+                every replica), whose state must stay as it is.
             all_reduce_dtype: `None` or `"bfloat16"`: the dtype of every
                 floating-point value the compressor sends (a compressor must
                 use it, not ignore it); the rounding goes into its error
@@ -93,7 +95,7 @@ class GradientCompressor:
 
         Returns:
             `(sums, new_state)`: the estimates (equal on every replica, each
-            in its gradient's shape and dtype) and a list of tensors, one per
+            in its gradient's shape and dtype; None where the gradient was None) and a list of tensors, one per
             variable of `state`, to `commit`.
         """
         raise NotImplementedError
