@@ -177,7 +177,9 @@ def resolve(gradient_compression, all_reduce_dtype: str | None = None):
             raise ValueError(
                 f"gradient_compression={gradient_compression!r} cannot be combined with "
                 f"all_reduce_dtype={all_reduce_dtype!r}: it sends its own {gradient_compression} "
-                "values, so the dtype would be ignored. Pass only gradient_compression.")
+                "values, so the dtype would be ignored. Use gradient_compression="
+                f"{gradient_compression!r} alone (all_reduce_dtype=None), or "
+                "gradient_compression='bfloat16' for 16-bit sums.")
         return None, NAMED[gradient_compression]()
     if all_reduce_dtype not in (None, gradient_compression):
         raise ValueError(
