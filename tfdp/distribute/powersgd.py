@@ -110,11 +110,9 @@ class PowerSGD(compression.GradientCompressor):
 
     def reduce(self, context, gradients, all_reduce_dtype=None):
         replicas = float(context.num_replicas_in_sync)
-        present = [g is not None for g in gradients]
         plain = [g for g, entry in zip(gradients, self._plan) if entry is None and g is not None]
-        compressed = [(g, entry, memory, q) for g, entry, memory, q in zip(
-            [g for g, e in zip(gradients, self._plan) if e is not None],
-            [e for e in self._plan if e is not None], self._memories, self._qs)]
+        compressed = list(zip([g for g, e in zip(gradients, self._plan) if e is not None],
+                              [e for e in self._plan if e is not None], self._memories, self._qs))
         ms, ps = [], []
         for g, (n, m, _), memory, q in (c for c in compressed if c[0] is not None):
             matrix = tf.reshape(tf.cast(g, tf.float32), [n, m]) + memory.read_value()
@@ -145,8 +143,8 @@ class PowerSGD(compression.GradientCompressor):
                 new_memories.append(matrix - estimate / replicas)
                 new_qs.append(q_sum)
         sums, plain_iter, est_iter = [], iter(plain_sums), iter(estimates)
-        for g, entry, has_gradient in zip(gradients, self._plan, present):
-            if not has_gradient:
+        for g, entry in zip(gradients, self._plan):
+            if g is None:
                 sums.append(None)
             elif entry is None:
                 sums.append(next(plain_iter))
