@@ -22,7 +22,7 @@ MIXED_PRECISIONS = ("none", "mixed_float16", "mixed_bfloat16")
 #: does not import Keras (tests/app checks they agree).
 LOSS_NORMALIZATIONS = ("global", "per_replica")
 #: --gradient_compression: how gradients cross the wire (`tfdp.compression`).
-GRADIENT_COMPRESSIONS = ("none", "bfloat16", "powersgd", "topk")
+GRADIENT_COMPRESSIONS = ("none", "bfloat16", "powersgd", "topk", "float8")
 #: The global batch when neither --global_batch nor --per_replica_batch is given.
 DEFAULT_GLOBAL_BATCH = 64
 
@@ -77,7 +77,8 @@ class RunConfig:
         "per_replica": each replica's mean, averaged, as stock Keras;
         `tfdp.training.loss_normalization`),
         gradient_compression ("none", "bfloat16", "powersgd" with
-        compression_rank, "topk" with topk_fraction; `tfdp.compression`),
+        compression_rank, "topk" with topk_fraction, "float8";
+        `tfdp.compression`),
         sync_every (local SGD: optimizer steps between averages of the
         weights; 1: synchronous), outer_lr and outer_momentum (DiLoCo's
         Nesterov outer step at each synchronisation; `tfdp.distribute.local_sync`),
@@ -194,6 +195,13 @@ class RunConfig:
                 user_data.train_options(self, count_cache_dir=None)  # checks the values
         except user_data.UserDataError as error:
             raise ConfigError(str(error)) from None
+        if self.gradient_compression == "float8" and self.all_reduce_dtype is not None:
+            raise ConfigError(
+                f"--gradient_compression=float8 cannot be combined with --all_reduce_dtype="
+                f"{self.all_reduce_dtype}: float8 always sends its own 8-bit values, so the dtype "
+                "would be ignored. Use --gradient_compression=float8 alone, or "
+                "--gradient_compression=bfloat16. Received: --gradient_compression=float8, "
+                f"--all_reduce_dtype={self.all_reduce_dtype}")
         if self.gradient_compression == "bfloat16" and self.all_reduce_dtype not in (None, "bfloat16"):
             raise ConfigError("--gradient_compression=bfloat16 and --all_reduce_dtype="
                               f"{self.all_reduce_dtype} disagree; pass only --gradient_compression.")
@@ -305,8 +313,8 @@ class RunConfig:
         """What `tfdp.compile` / `Trainer` take as `gradient_compression` for these flags."""
         if self.gradient_compression == "none":
             return None
-        if self.gradient_compression == "bfloat16":
-            return "bfloat16"
+        if self.gradient_compression in ("bfloat16", "float8"):
+            return self.gradient_compression
         from tfdp import compression  # pylint: disable=import-outside-toplevel
 
         if self.gradient_compression == "powersgd":

@@ -142,7 +142,9 @@ flags.DEFINE_enum("gradient_compression", _D.gradient_compression,
                   run_config.GRADIENT_COMPRESSIONS,
                   "How gradients cross the wire: none (all-reduced as they are), bfloat16 (half "
                   "the bytes), powersgd (rank --compression_rank, two small all-reduces), topk "
-                  "(the --topk_fraction largest values, one all-gather); both with error feedback.")
+                  "(the --topk_fraction largest values, one all-gather), float8 (8-bit E4M3 "
+                  "values with a per-tensor scale, one all-gather: a quarter of the bytes); the "
+                  "last three with error feedback.")
 flags.DEFINE_integer("compression_rank", _D.compression_rank,
                      "PowerSGD's rank (with --gradient_compression=powersgd).")
 flags.DEFINE_float("topk_fraction", _D.topk_fraction, "Share of gradient values each replica "

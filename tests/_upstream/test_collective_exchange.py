@@ -1,7 +1,7 @@
 """Pins the private collective launcher members `tfdp/_upstream/collective_exchange.py` reads.
 
 When one of these fails after a TensorFlow upgrade, update that module (and
-only that one); ZeRO-1 falls back to all-reduce and slice meanwhile.
+only that one); ZeRO-1 is refused meanwhile, with an error that says why.
 """
 
 import numpy as np

@@ -47,6 +47,7 @@ def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, arg
     (("--gradient_compression=powersgd", "--compression_rank=2"),
      "PowerSGD(rank=2, start_step=0, min_compression_ratio=2.0)"),
     (("--gradient_compression=topk", "--topk_fraction=0.05"), "TopK(fraction=0.05)"),
+    (("--gradient_compression=float8",), "'float8'"),
 ])
 def test_gradient_compression_flags_build_the_compressor(parse_flags, flags, expected):
     parse_flags(*flags)

@@ -56,22 +56,25 @@ def run_compressor(compressor, per_step, all_reduce_dtype=None):
     initial_state = [v.read_value().numpy() for v in compressor.state]
     outputs = []
     for step in per_step:
-        stacked = [tf.constant(np.stack([replica[i] for replica in step])) for i in range(len(SHAPES))]
+        # None: the variable has no gradient this step (on every replica).
+        stacked = [None if step[0][i] is None else tf.constant(np.stack([r[i] for r in step]))
+                   for i in range(len(SHAPES))]
 
         @tf.function
         def replica_fn():
             context = tf.distribute.get_replica_context()
             index = context.replica_id_in_sync_group
-            sums, new_state = compressor.reduce(context, [s[index] for s in stacked],
-                                                all_reduce_dtype)
+            sums, new_state = compressor.reduce(
+                context, [None if s is None else s[index] for s in stacked], all_reduce_dtype)
             compressor.commit(new_state, tf.constant(True))
-            return sums
+            return [s for s in sums if s is not None]
 
-        local = [strategy.experimental_local_results(s) for s in strategy.run(replica_fn)]
-        for per_replica in local:
+        local = iter([strategy.experimental_local_results(s) for s in strategy.run(replica_fn)])
+        out = [None if s is None else next(local) for s in stacked]
+        for per_replica in (o for o in out if o is not None):
             for other in per_replica[1:]:
                 np.testing.assert_array_equal(other.numpy(), per_replica[0].numpy())
-        outputs.append([per_replica[0].numpy() for per_replica in local])
+        outputs.append([None if o is None else o[0].numpy() for o in out])
     counts = {"all_reduces": int(calls.numpy()), "all_gathers": int(gathers.numpy()),
               "values": int(values.numpy()),
               "dtypes": {d for d in strategy.wire_dtypes if d.startswith(("float", "bfloat"))}}
@@ -88,7 +91,7 @@ def gram_schmidt(p):
     return p
 
 
-def numpy_powersgd(per_step, initial_qs, plan):
+def numpy_powersgd(per_step, initial_qs, plan, with_qs=False):
     """Algorithm 2 with Algorithm 1, as published: workers' gradients are R × their shares, means."""
     memories = {i: [np.zeros((e[0], e[1])) for _ in range(REPLICAS)]
                 for i, e in enumerate(plan) if e is not None}
@@ -97,6 +100,9 @@ def numpy_powersgd(per_step, initial_qs, plan):
     for step in per_step:
         out = []
         for i, entry in enumerate(plan):
+            if step[0][i] is None:  # no gradient: nothing sent, memory and Q kept
+                out.append(None)
+                continue
             grads = [REPLICAS * replica[i].astype("float64") for replica in step]
             if entry is None:
                 out.append(np.mean(grads, axis=0))
@@ -111,7 +117,7 @@ def numpy_powersgd(per_step, initial_qs, plan):
             qs[i] = q
             out.append(approx.reshape(SHAPES[i]))
         outputs.append(out)
-    return outputs, memories
+    return (outputs, memories, qs) if with_qs else (outputs, memories)
 
 
 def numpy_topk(per_step, fraction, sent_dtype=None):
@@ -164,6 +170,30 @@ def test_powersgd_equals_the_papers_algorithm_over_several_steps(rank):
     per_step_values = (18 + 8) * rank + (20 + 12) * rank + 12 + 6
     assert counts["values"] == per_step_values * STEPS
     assert compressor.values_sent([tf.zeros(s) for s in SHAPES]) == per_step_values
+
+
+def test_powersgd_leaves_the_state_of_a_variable_without_a_gradient_untouched():
+    """Steps 3-4 give the conv kernel and the bias no gradient: nothing of theirs is sent,
+    their memory and Q stay as step 2 left them, and the others follow the paper."""
+    compressor = PowerSGD(rank=1)
+    per_step = shares()
+    for step in per_step[2:]:
+        for replica in step:
+            replica[0] = replica[2] = None
+    outputs, initial_state, counts = run_compressor(compressor, per_step)
+    plan = compressor.plan(SHAPES)
+    expected, memories, qs = numpy_powersgd(per_step, initial_state[2:], plan, with_qs=True)
+    for got, want in zip(outputs, expected):
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert_close(g, w)
+    state = [np.array(v.values[0]) for v in compressor.state]
+    for got, index in zip(state[:2], (0, 1)):
+        assert_close(got, memories[index][0] / REPLICAS)
+    for got, index in zip(state[2:], (0, 1)):  # Q: the paper's, up to QR's column signs
+        assert_close(got * np.sign(np.sum(got * qs[index], axis=0)), qs[index])
+    assert counts["values"] == 2 * ((18 + 8) + (20 + 12) + 12 + 6) + 2 * ((20 + 12) + 6)
 
 
 @pytest.mark.slow

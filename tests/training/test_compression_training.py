@@ -160,3 +160,58 @@ def test_the_compressor_survives_the_optimizer_config(two_replicas):
         again = keras.optimizers.deserialize(config)
     assert repr(again.compressor) == repr(m.optimizer.compressor)
     assert "rank=3, start_step=7" in repr(again.compressor)
+
+
+class _WithSpare(keras.layers.Layer):
+    """A Dense layer with a trainable weight its output does not use (no gradient)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+        self.spare = self.add_weight(shape=(6, 5), name="spare")
+
+    def call(self, x):
+        return tf.matmul(x, self.kernel)
+
+
+@pytest.mark.parametrize("compressor", [
+    lambda: tfdp.compression.PowerSGD(rank=1, min_compression_ratio=0.01),
+    lambda: tfdp.compression.TopK(fraction=0.5),
+    lambda: "float8",
+], ids=["PowerSGD", "TopK", "float8"])
+def test_a_variable_without_a_gradient_keeps_its_compressor_state(two_replicas, compressor):
+    """Its error memory (and PowerSGD's Q) stay as they were: nothing is sent for it.
+
+    The memory is set non-zero first, as an earlier phase of training (before
+    the layer was frozen, say) would leave it.
+    """
+    with two_replicas.scope():
+        keras.utils.set_random_seed(5)
+        spare = _WithSpare()
+        m = keras.Sequential([keras.Input((8,)), spare, keras.layers.Dense(1)])
+        tfdp.compile(m, optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                     gradient_compression=compressor())
+        m.optimizer.build(m.trainable_variables)
+    compressor = m.optimizer.compressor
+    index = [i for i, v in enumerate(m.trainable_variables) if v is spare.spare][0]
+    sizes = [int(np.prod(v.shape)) for v in m.trainable_variables]
+    start = sum(sizes[:index])
+    if isinstance(compressor, tfdp.compression.TopK):  # one flat memory
+        memory, cut = compressor.state[0], slice(start, start + sizes[index])
+    else:  # per variable, in build order (PowerSGD: every variable here is compressed)
+        memory, cut = compressor.state[index], slice(None)
+    value = memory.numpy()
+    value.reshape(-1)[cut] = np.linspace(-2.0, 2.0, sizes[index])
+    memory.assign(value)
+    before = [[np.array(c) for c in two_replicas.experimental_local_results(v)]
+              for v in compressor.state]
+    x = np.random.default_rng(1).normal(size=(GLOBAL_BATCH * 2, 8)).astype("float32")
+    m.fit(x, x[:, :1], batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    after = [[np.array(c) for c in two_replicas.experimental_local_results(v)]
+             for v in compressor.state]
+    kept = [index, 3 + index] if isinstance(compressor, tfdp.compression.PowerSGD) else [
+        0 if isinstance(compressor, tfdp.compression.TopK) else index]
+    for k in kept:
+        for old, new in zip(before[k], after[k]):
+            np.testing.assert_array_equal(new.reshape(-1)[cut], old.reshape(-1)[cut])
+    assert any(not np.array_equal(a, b) for a, b in zip(before[-1], after[-1])), \
+        "the other variables' state did not move"

@@ -352,3 +352,56 @@ def test_another_optimizers_state_on_another_replica_count_is_refused_unchanged(
     with pytest.raises(ValueError, match="has 10 variables.*SGD has 6.*Nothing was changed"):
         trainer.train(dataset(), steps=STEPS)
     np.testing.assert_array_equal(model.get_weights()[0], INITIAL[0])
+
+
+# On one host with several GPUs. No GPU here: the strategies below are stand-ins,
+# MirroredStrategies over device names that are never run on; what is tested is
+# the choice of exchange, not NCCL's reduce-scatter itself.
+@pytest.mark.parametrize("cross_device_ops", [tf.distribute.NcclAllReduce, lambda: None],
+                         ids=["NcclAllReduce", "collective"])
+def test_on_gpus_zero1_reduce_scatters_over_nccl_whatever_the_all_reduce(cross_device_ops):
+    """MirroredStrategy builds NCCL collective launchers beside any all-reduce it is given
+    (tfdp.make_strategy's NcclAllReduce included): ZeRO-1 takes NCCL's reduce-scatter."""
+    from tfdp._upstream import collective_exchange
+    from tfdp.distribute import shard_layout
+
+    stand_in = tf.distribute.MirroredStrategy(["/gpu:0", "/gpu:1"],
+                                              cross_device_ops=cross_device_ops())
+    assert collective_exchange.exchange_kind(stand_in) == "reduce_scatter"
+    shard_layout.check_strategy(stand_in)  # not refused
+
+
+def test_replicas_without_a_reduce_scatter_are_refused_not_all_reduced():
+    """Devices of two kinds: MirroredStrategy falls back to ReductionToOneDevice, no launchers."""
+    from tfdp.distribute import shard_layout
+
+    stand_in = tf.distribute.MirroredStrategy(["/gpu:0", "/cpu:0"])
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True cannot reduce-scatter "
+                       r"the gradients among the 2 replicas.*GPU:0.*CPU:0.*Use tfdp.make_strategy"):
+        shard_layout.check_strategy(stand_in)
+
+
+@pytest.mark.parametrize("entry", ["compile", "trainer"])
+def test_without_launchers_zero1_is_refused_before_anything_runs(strategies, monkeypatch, entry):
+    """TensorFlow outside the launchers' known range (simulated): refused, naming it, where
+    main trained silently with an all-reduce and slice; a compressed exchange still shards."""
+    from tfdp._upstream import collective_exchange
+
+    monkeypatch.setattr(collective_exchange, "is_supported", lambda *a: False)
+    strategy = strategies[2]
+
+    def build(**kwargs):
+        with strategy.scope():
+            model = mlp()
+            optimizer = OPTIMIZERS["adam"]()
+            if entry == "compile":
+                tfdp.compile(model, optimizer=optimizer, loss="mse", shard_optimizer_state=True,
+                             **kwargs)
+                return model
+        return tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=strategy,
+                            batch=BatchConfig.from_global(GLOBAL_BATCH, 2),
+                            shard_optimizer_state=True, **kwargs)
+
+    with pytest.raises(ValueError, match=r"cannot reduce-scatter.*TensorFlow .* is outside"):
+        build()
+    build(gradient_compression="bfloat16")  # all-reduces and slices by design

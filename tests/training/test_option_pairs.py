@@ -1,8 +1,8 @@
 """Every training option alone and every pair of them: it trains, or it is refused up front.
 
 The options are `tfdp.compile`'s (and `tfdp.Trainer`'s) gradient-path
-options, plus the LARS and LAMB optimizers, the mixed_float16 policy and
-`jit_compile`. Each case trains a tiny Dense model for one epoch of
+options (float8 included), plus the LARS and LAMB optimizers, the
+mixed_float16 policy and `jit_compile`. Each case trains a tiny Dense model for one epoch of
 `STEPS` steps on `make_strategy(cpu_replicas=2)`, or must be refused
 before anything is built, by `tfdp.compile` and by `tfdp.Trainer`, with a
 ValueError that names both options (`tfdp.training.option_rules`).
@@ -15,8 +15,8 @@ same case without them. Under the 16-bit options the reference is held to
 that format's rounding instead. `all_reduce_dtype="bfloat16"` must change
 the result of every case it joins (an ignored dtype counts as broken).
 
-Pairs that cannot be written down are left out: PowerSGD and Top-K are
-both values of `gradient_compression`, LARS and LAMB both optimizers.
+Pairs that cannot be written down are left out: PowerSGD, Top-K and float8
+are all values of `gradient_compression`, LARS and LAMB both optimizers.
 `jit_compile=True` is refused by this strategy itself (XLA on several CPU
 devices, `tfdp.distribute.devices`), so its cases check that refusal.
 """
@@ -50,6 +50,7 @@ OPTIONS = {
     "PowerSGD": {"gradient_compression": lambda: tfdp.compression.PowerSGD(
         rank=FEATURES, min_compression_ratio=0.01)},
     "TopK": {"gradient_compression": lambda: tfdp.compression.TopK(fraction=1.0)},
+    "float8": {"gradient_compression": "float8"},
     "sync_every": {"sync_every": 2},
     "outer_optimizer": {"outer_optimizer": lambda: keras.optimizers.SGD(1.0)},
     "shard_optimizer_state": {"shard_optimizer_state": True},
@@ -79,14 +80,17 @@ def exact_options(case) -> set:
 #: The 16-bit options, and the tolerance a reference is held to under them.
 ROUNDED = {"all_reduce_dtype": 2e-3, "mixed_float16": 2e-3}
 #: Pairs of one argument's values.
-INEXPRESSIBLE = {frozenset({"PowerSGD", "TopK"}), frozenset({"LAMB", "LARS"})}
+INEXPRESSIBLE = {frozenset({"PowerSGD", "TopK"}), frozenset({"PowerSGD", "float8"}),
+                 frozenset({"TopK", "float8"}), frozenset({"LAMB", "LARS"})}
 
 _LOCAL = ("sync_every", "outer_optimizer")
-_GRADIENT_SUM = ("all_reduce_dtype", "PowerSGD", "TopK")
+_GRADIENT_SUM = ("all_reduce_dtype", "PowerSGD", "TopK", "float8")
 #: Refused pairs -> the names the error must contain.
 REFUSED = {
     **{frozenset({local, other}): (local, other)
        for local in _LOCAL for other in _GRADIENT_SUM + ("shard_optimizer_state",)},
+    # float8 sends its own 8-bit values: a dtype for them would be ignored.
+    frozenset({"float8", "all_reduce_dtype"}): ("float8", "all_reduce_dtype"),
 }
 #: Refused by the strategy (XLA on several CPU devices), whatever joins it.
 STRATEGY_REFUSED = "jit_compile"
@@ -238,7 +242,7 @@ def test_is_refused_before_anything_runs_naming_both_options(case, entry, two_re
         assert getattr(built[0], "train_function", None) is None
 
 
-@pytest.mark.parametrize("name", ["all_reduce_dtype", "PowerSGD", "TopK", "sync_every",
+@pytest.mark.parametrize("name", ["all_reduce_dtype", "PowerSGD", "TopK", "float8", "sync_every",
                                   "outer_optimizer", "shard_optimizer_state"])
 @pytest.mark.parametrize("entry", ["compile", "trainer"])
 def test_without_the_wrapper_an_option_that_needs_it_is_refused(name, entry, two_replicas):
@@ -250,6 +254,6 @@ def test_without_the_wrapper_an_option_that_needs_it_is_refused(name, entry, two
 
 
 def test_the_matrix_covers_every_option_and_pair():
-    assert len(SINGLES) == len(OPTIONS) == 12
-    assert len(PAIRS) == 12 * 11 // 2 - len(INEXPRESSIBLE)
-    assert {"LARS", "jit_compile"} <= set(OPTIONS)
+    assert len(SINGLES) == len(OPTIONS) == 13
+    assert len(PAIRS) == 13 * 12 // 2 - len(INEXPRESSIBLE)
+    assert {"LARS", "jit_compile", "float8"} <= set(OPTIONS)

@@ -24,10 +24,11 @@ instance key and its ordering token. Those are private members of
 `tensorflow/python/distribute/cross_device_utils.py`
 (`CollectiveReplicaLauncher`) and `cross_device_ops.py`
 (`CollectiveAllReduce._launchers`); this module is the only place that
-reads them. `launcher_of` answers None (and callers fall back to all-reduce
-and slice) when the strategy has no collective launchers (a single device,
-`NcclAllReduce`, `ReductionToOneDevice`) or TensorFlow is outside
-`KNOWN_TF_RANGE`. `tests/_upstream/test_collective_exchange.py` is the
+reads them. `launcher_of` answers None (and ZeRO-1 is refused:
+`tfdp.distribute.shard_layout.check_strategy`) when the strategy has no
+collective launchers (a single device, devices of two kinds) or TensorFlow
+is outside `KNOWN_TF_RANGE`. MirroredStrategy builds them beside whatever
+all-reduce it was given (`NcclAllReduce` included). `tests/_upstream/test_collective_exchange.py` is the
 canary.
 """
 

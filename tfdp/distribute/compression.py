@@ -85,7 +85,9 @@ class GradientCompressor:
         Args:
             context: the replica context.
             gradients: this replica's share of each gradient, one dense
-                tensor per variable given to `build`, in that order.
+                tensor per variable given to `build`, in that order; None
+                for a variable without a gradient this step (the same on
+                every replica), whose state must stay as it is.
             all_reduce_dtype: `None` or `"bfloat16"`: the dtype of every
                 floating-point value the compressor sends (a compressor must
                 use it, not ignore it); the rounding goes into its error
@@ -93,7 +95,7 @@ class GradientCompressor:
 
         Returns:
             `(sums, new_state)`: the estimates (equal on every replica, each
-            in its gradient's shape and dtype) and a list of tensors, one per
+            in its gradient's shape and dtype; None where the gradient was None) and a list of tensors, one per
             variable of `state`, to `commit`.
         """
         raise NotImplementedError
@@ -175,7 +177,9 @@ def resolve(gradient_compression, all_reduce_dtype: str | None = None):
             raise ValueError(
                 f"gradient_compression={gradient_compression!r} cannot be combined with "
                 f"all_reduce_dtype={all_reduce_dtype!r}: it sends its own {gradient_compression} "
-                "values, so the dtype would be ignored. Pass only gradient_compression.")
+                "values, so the dtype would be ignored. Use gradient_compression="
+                f"{gradient_compression!r} alone (all_reduce_dtype=None), or "
+                "gradient_compression='bfloat16' for 16-bit sums.")
         return None, NAMED[gradient_compression]()
     if all_reduce_dtype not in (None, gradient_compression):
         raise ValueError(

@@ -100,6 +100,9 @@ class Float8(compression.GradientCompressor):
                 "Pass all_reduce_dtype=None with gradient_compression='float8'.")
         codes, scales, new_state = [], [], []
         for gradient, memory in zip(gradients, self.state):
+            if gradient is None:  # no gradient: nothing sent, the memory kept
+                new_state.append(memory.read_value())
+                continue
             accumulated = tf.cast(gradient, tf.float32) + memory.read_value()
             scale = _power_of_two_scale(tf.reduce_max(tf.abs(accumulated)))
             rounded = tf.cast(tf.cast(accumulated / scale, tf.dtypes.experimental.float8_e4m3fn),
@@ -116,13 +119,15 @@ class Float8(compression.GradientCompressor):
         all_codes = tf.reshape(tf.cast(tf.bitcast(all_packed, tf.uint8), tf.int32),
                                [replicas, -1])[:, :total]
         all_scales = tf.reshape(all_scales, [replicas, -1])
+        present = [g for g in gradients if g is not None]
+        sizes = [n for n, g in zip(self._sizes, gradients) if g is not None]
         summed = None
         for replica in range(replicas):  # in replica order: the same sum everywhere
-            parts = tf.split(_decode(all_codes[replica]), self._sizes)
+            parts = tf.split(_decode(all_codes[replica]), sizes)
             values = [p * all_scales[replica, i] for i, p in enumerate(parts)]
             summed = values if summed is None else [a + b for a, b in zip(summed, values)]
-        sums = [tf.cast(tf.reshape(s, tf.shape(g)), g.dtype) for s, g in zip(summed, gradients)]
-        return sums, new_state
+        sums = iter(tf.cast(tf.reshape(s, tf.shape(g)), g.dtype) for s, g in zip(summed, present))
+        return [None if g is None else next(sums) for g in gradients], new_state
 
     def values_sent(self, variables) -> int:
         """Values of 4 bytes sent per replica per step: the codes, four to a value, and one scale per tensor."""

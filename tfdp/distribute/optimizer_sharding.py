@@ -12,31 +12,26 @@ each of the N replicas keeps them for 1/N of the parameters only:
   within one element per variable of the even 1/N, every slot of the
   unsharded optimizer has exactly one sharded counterpart, and the chunks of
   a variable keep its name (weight-decay exclusions by name still apply).
-- **a step**: each replica's gradients are reduce-scattered: laid out as
-  ``[N, S]`` per variable, sent row j to replica j by one all-to-all per
-  bucket of variables, and summed over the rows received, so each replica
-  gets only its chunk of the summed gradients
-  (`reduce_scatter_gradients`); each replica copies its chunk of every
-  weight into a *shard variable* of shape ``[S]``, lets the wrapped Keras
-  optimizer update the shard variables with its own update rule and its
-  sharded slots, and the replicas then all-gather the updated chunks (float32,
-  exact) so that every replica holds the full weights again.
+- **a step**: each replica's gradients are reduce-scattered, so it gets only
+  its chunk of every summed gradient (`reduce_scatter_gradients`); it
+  copies its chunk of every weight into a *shard variable* of shape ``[S]``,
+  the wrapped Keras optimizer updates the shard variables with its own rule
+  and its sharded slots, and the replicas all-gather the updated chunks
+  (float32, exact) so that every replica holds the full weights again.
 - **what it costs**: per step each replica sends and receives
   ``(N - 1) / N * 4 * P`` bytes for the reduce-scatter and as many for the
-  all-gather of P float32 parameters: the bytes of the ring all-reduce that
-  unsharded training makes (a ring all-reduce is a reduce-scatter followed by
-  an all-gather). TensorFlow's own reduce-scatter
-  (`CollectiveReduceScatterV2`) has no CPU implementation, so the exchange is
-  its all-to-all, through the strategy's collective launchers
-  (`tfdp._upstream.collective_exchange`); on GPUs NCCL's reduce-scatter is
-  used (not run here: no GPU). One more all-reduce of one float
-  per step gives every replica the same non-finite verdict on the chunks.
-  Where the gradients are compressed (`gradient_compression`,
-  `all_reduce_dtype`), or the strategy has no collective launchers, the
-  gradients are all-reduced as without sharding and each replica takes its
-  slice: then the all-gather adds half again to the all-reduce's bytes.
-  Memory per replica: the slots of P/N parameters plus the P/N shard
-  variables, instead of the slots of P.
+  all-gather of P float32 parameters: the bytes of a ring all-reduce
+  (a reduce-scatter followed by an all-gather), plus one all-reduce of one
+  float for the non-finite verdict. The reduce-scatter goes through the
+  strategy's collective launchers (`tfdp._upstream.collective_exchange`):
+  NCCL's reduce-scatter when every replica is on a GPU (not run here: no
+  GPU), an all-to-all elsewhere (TensorFlow's reduce-scatter has no CPU
+  implementation). A strategy without them is refused
+  (`shard_layout.check_strategy`). Where the gradients are compressed
+  (`gradient_compression`, `all_reduce_dtype`), they are all-reduced as
+  without sharding and each replica takes its slice: the all-gather then
+  adds half again to the all-reduce's bytes. Memory per replica: the slots
+  of P/N parameters plus the P/N shard variables, instead of the slots of P.
 
 Which optimizers qualify (an element-wise update, or LARS/LAMB's norms
 summed over chunks), how the chunks are cut again for another number of
@@ -86,7 +81,6 @@ class OptimizerSharding:
         #: `[variables, 2]` float32, with `norm_terms` summed over replicas
         #: (for optimizers that take them; else None).
         self.terms = None
-        self._scatters = None
 
     def __repr__(self) -> str:
         return f"OptimizerSharding(num_shards={self.num_shards})"
@@ -159,11 +153,7 @@ class OptimizerSharding:
         shard_layout.load_unsharded_state(self, optimizer, state)
 
     def _chunk(self, context, tensor, variable):
-        """This replica's `[S]` chunk of `tensor` (shaped like `variable`), zero-padded.
-
-        Slices before padding, so only S elements are copied, never the
-        whole tensor.
-        """
+        """This replica's `[S]` chunk of `tensor` (shaped like `variable`), zero-padded (S elements copied)."""
         size = int(self.shards[self._index[id(variable)]].shape[0])
         flat = tf.reshape(tensor, [-1])
         start = tf.cast(context.replica_id_in_sync_group, tf.int32) * size
@@ -188,61 +178,61 @@ class OptimizerSharding:
 
     @property
     def scatters(self) -> bool:
-        """Whether the gradients reach the replicas' chunks by reduce-scatter (else all-reduce and slice).
+        """Whether the strategy's collective launchers can reduce-scatter (`shard_layout.check_strategy`)."""
+        return bool(self.active and collective_exchange.available(self._strategy))
 
-        True under a strategy with collective launchers for every replica
-        (MultiWorkerMirroredStrategy, MirroredStrategy's collective ops):
-        `reduce_scatter_gradients` then exchanges the chunks with an
-        all-to-all (`tfdp._upstream.collective_exchange`).
-        """
-        if self._scatters is None:
-            self._scatters = bool(self.active and collective_exchange.available(self._strategy))
-        return self._scatters
+    def reduce_scatter_gradients(self, context, gradients, variables, divisor=None):
+        """This replica's chunks of the gradients summed over the replicas (the reduce-scatter of ZeRO).
 
-    def reduce_scatter_gradients(self, context, gradients, variables):
-        """`(this replica's chunks of the gradients summed over the replicas, their shard variables)`.
-
-        The reduce-scatter of ZeRO: per bucket of variables (`_buckets`),
-        each replica lays its gradients out as ``[N, sum S]`` (row j: its
-        chunks for replica j, zero-padded as the layout pads), one all-to-all
-        sends row j to replica j, and each replica sums the N rows it
-        receives (on GPUs, NCCL's reduce-scatter does both:
-        `tfdp._upstream.collective_exchange.reduce_scatter_sum`). Every
-        replica sends and receives (N - 1) / N of its gradients' bytes, the
-        bytes of the reduce-scatter half of a ring all-reduce; the whole
-        summed gradient never exists on any replica.
+        Per bucket of variables (`_buckets`), each replica lays its gradients
+        out as ``[N, sum S]`` (row j: its chunks for replica j, zero-padded)
+        and receives the replicas' rows `replica_id_in_sync_group` summed
+        (`tfdp._upstream.collective_exchange.reduce_scatter_sum`): (N - 1) / N
+        of its gradients' bytes each way; no replica holds a whole sum.
 
         Args:
             context: the replica context.
             gradients: this replica's (unreduced) gradients, one per variable
                 of `variables`.
             variables: trainable variables with a shard (any subset, any order).
+            divisor: None, or a float32 `[1]` tensor to sum over the replicas
+                too: it rides as one more column of every row of the first
+                float32 bucket (its own all-reduce only when none is float32).
 
         Returns:
-            Lists in the order of `variables`.
+            `(chunks, shard variables, summed divisor or None)`, the lists in
+            the order of `variables`.
         """
         given = {id(v): k for k, v in enumerate(variables)}
-        chunks = [None] * len(variables)
+        chunks, summed_divisor = [None] * len(variables), None
         for bucket in self._buckets():
             members = [(i, given[id(self._variables[i])]) for i in bucket
                        if id(self._variables[i]) in given]
             if not members:
                 continue
-            rows = []
-            for i, k in members:
-                gradient = gradients[k]
-                if isinstance(gradient, tf.IndexedSlices):
-                    gradient = tf.convert_to_tensor(gradient)
-                size = int(self.shards[i].shape[0])
-                flat = tf.reshape(gradient, [-1])
-                padding = self.num_shards * size - _num_elements(self._variables[i])
-                padded = tf.pad(flat, [[0, padding]])
-                rows.append(tf.reshape(padded, [self.num_shards, size]))
-            summed = collective_exchange.reduce_scatter_sum(context, tf.concat(rows, axis=1))
+            rows = [self._rows(gradients[k], i) for i, k in members]
             sizes = [int(self.shards[i].shape[0]) for i, _ in members]
-            for (_, k), chunk in zip(members, tf.split(summed, sizes)):
+            if divisor is not None and summed_divisor is None and rows[0].dtype == tf.float32:
+                rows.append(tf.tile(tf.reshape(divisor, [1, 1]), [self.num_shards, 1]))
+                sizes.append(1)
+            parts = tf.split(collective_exchange.reduce_scatter_sum(
+                context, tf.concat(rows, axis=1)), sizes)
+            if len(parts) > len(members):
+                summed_divisor = parts.pop()
+            for (_, k), chunk in zip(members, parts):
                 chunks[k] = chunk
-        return chunks, [self.shards[self._index[id(v)]] for v in variables]
+        if divisor is not None and summed_divisor is None:
+            (summed_divisor,) = reduction.all_reduce_sum(context, [divisor])
+        return chunks, [self.shards[self._index[id(v)]] for v in variables], summed_divisor
+
+    def _rows(self, gradient, index: int):
+        """`gradient` of variable `index`, flattened, zero-padded and laid out as ``[N, S]``."""
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = tf.convert_to_tensor(gradient)
+        size = int(self.shards[index].shape[0])
+        padding = self.num_shards * size - _num_elements(self._variables[index])
+        return tf.reshape(tf.pad(tf.reshape(gradient, [-1]), [[0, padding]]),
+                          [self.num_shards, size])
 
     def sum_norm_terms(self, context, optimizer, gradients, shards) -> None:
         """Sums the inner optimizer's `norm_terms` of every chunk over the replicas (one all-reduce).

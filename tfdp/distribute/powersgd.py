@@ -110,13 +110,11 @@ class PowerSGD(compression.GradientCompressor):
 
     def reduce(self, context, gradients, all_reduce_dtype=None):
         replicas = float(context.num_replicas_in_sync)
-        plain = [g for g, entry in zip(gradients, self._plan) if entry is None]
+        plain = [g for g, entry in zip(gradients, self._plan) if entry is None and g is not None]
+        compressed = list(zip([g for g, e in zip(gradients, self._plan) if e is not None],
+                              [e for e in self._plan if e is not None], self._memories, self._qs))
         ms, ps = [], []
-        for g, entry, memory, q in zip(
-            [g for g, e in zip(gradients, self._plan) if e is not None],
-            [e for e in self._plan if e is not None], self._memories, self._qs,
-        ):
-            n, m, _ = entry
+        for g, (n, m, _), memory, q in (c for c in compressed if c[0] is not None):
             matrix = tf.reshape(tf.cast(g, tf.float32), [n, m]) + memory.read_value()
             ms.append(matrix)
             ps.append(tf.matmul(matrix, q.read_value()))
@@ -133,14 +131,26 @@ class PowerSGD(compression.GradientCompressor):
             all_reduce_dtype,
         ) if ms else []
         estimates = [tf.matmul(basis, q, transpose_b=True) for basis, q in zip(bases, q_sums)]
-        new_memories = [matrix - estimate / replicas for matrix, estimate in zip(ms, estimates)]
+        # A variable without a gradient (the same on every replica: known when
+        # traced) sends nothing and keeps its memory and Q as they were.
+        new_memories, new_qs, fresh = [], [], iter(zip(ms, estimates, q_sums))
+        for g, _, memory, q in compressed:
+            if g is None:
+                new_memories.append(memory.read_value())
+                new_qs.append(q.read_value())
+            else:
+                matrix, estimate, q_sum = next(fresh)
+                new_memories.append(matrix - estimate / replicas)
+                new_qs.append(q_sum)
         sums, plain_iter, est_iter = [], iter(plain_sums), iter(estimates)
         for g, entry in zip(gradients, self._plan):
-            if entry is None:
+            if g is None:
+                sums.append(None)
+            elif entry is None:
                 sums.append(next(plain_iter))
             else:
                 sums.append(tf.cast(tf.reshape(next(est_iter), tf.shape(g)), g.dtype))
-        return sums, new_memories + list(q_sums)
+        return sums, new_memories + new_qs
 
     def values_sent(self, variables) -> int:
         plan = self.plan([v.shape for v in variables])

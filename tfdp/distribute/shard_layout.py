@@ -86,6 +86,38 @@ def check_optimizer(optimizer) -> None:
         )
 
 
+def check_strategy(strategy: tf.distribute.Strategy) -> None:
+    """Raises ValueError when ZeRO-1 could not reduce-scatter among `strategy`'s replicas.
+
+    The reduce-scatter runs through the strategy's collective launchers
+    (`tfdp._upstream.collective_exchange`): NCCL's reduce-scatter when every
+    replica is on a GPU, an all-to-all elsewhere. MirroredStrategy has them
+    on GPUs whatever its all-reduce (`NcclAllReduce` included) and on CPUs;
+    MultiWorkerMirroredStrategy always. Without them (devices of two kinds,
+    TensorFlow outside the known range) ZeRO-1 would all-reduce the whole
+    gradients and slice them, half again the bytes: refused, never silently.
+    A compressed exchange (`gradient_compression`, `all_reduce_dtype`) sums
+    whole gradients by design and needs no check.
+    """
+    from tfdp._upstream import collective_exchange  # pylint: disable=import-outside-toplevel
+
+    replicas = strategy.num_replicas_in_sync
+    if replicas < 2 or collective_exchange.exchange_kind(strategy) is not None:
+        return
+    devices = tuple(strategy.extended.worker_devices)
+    low, high = collective_exchange.KNOWN_TF_RANGE
+    reason = (f"TensorFlow {tf.__version__} is outside {low[0]}.{low[1]} to {high[0]}.{high[1]}, "
+              "whose collective launchers tfdp knows" if not collective_exchange.is_supported()
+              else "it has no collective launchers for every replica (devices of two kinds?)")
+    raise ValueError(
+        f"shard_optimizer_state=True cannot reduce-scatter the gradients among the {replicas} "
+        f"replicas of this {type(strategy).__name__} on {', '.join(devices)}: {reason}. It "
+        "would all-reduce the whole gradients and slice them instead, half again the bytes. "
+        "Use tfdp.make_strategy() (collective ops: NCCL's reduce-scatter on GPUs) on devices "
+        "of one kind, or drop shard_optimizer_state, or pass gradient_compression='bfloat16' "
+        "to shard behind an all-reduce on purpose.")
+
+
 def takes_norm_terms(optimizer) -> bool:
     """Whether `optimizer` needs whole-variable norms and can take them summed over chunks.
 

@@ -60,11 +60,16 @@ class TopK(compression.GradientCompressor):
     def reduce(self, context, gradients, all_reduce_dtype=None):
         reduction.check_all_reduce_dtype(all_reduce_dtype)
         total = sum(self._sizes)
-        flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in gradients], 0)
-        accumulated = flat + self._memory.read_value()
+        flat = tf.concat([tf.zeros([n]) if g is None else tf.reshape(tf.cast(g, tf.float32), [-1])
+                          for g, n in zip(gradients, self._sizes)], 0)
+        # A variable without a gradient sends nothing and keeps its memory.
+        present = tf.concat([tf.fill([n], g is not None) for g, n in zip(gradients, self._sizes)], 0)
+        memory = self._memory.read_value()
+        accumulated = flat + tf.where(present, memory, 0.0)
         # A NaN or Inf ranks first: it must reach every replica's sum, so that
         # all of them skip the step alike (tfdp.training.nonfinite).
         magnitude = tf.where(tf.math.is_finite(accumulated), tf.abs(accumulated), float("inf"))
+        magnitude = tf.where(present, magnitude, -1.0)
         _, indices = tf.math.top_k(magnitude, k=self.k(total), sorted=False)
         values = tf.gather(accumulated, indices)
         if all_reduce_dtype is not None:
@@ -79,10 +84,9 @@ class TopK(compression.GradientCompressor):
             all_indices, all_values = _gather_16_bit(context, indices, values)
         # scatter_nd adds the values of repeated indices: the sum over replicas.
         summed = tf.scatter_nd(all_indices[:, None], tf.cast(all_values, tf.float32), [total])
-        sums = []
-        for g, part in zip(gradients, tf.split(summed, self._sizes)):
-            sums.append(tf.cast(tf.reshape(part, tf.shape(g)), g.dtype))
-        return sums, [new_memory]
+        sums = [None if g is None else tf.cast(tf.reshape(part, tf.shape(g)), g.dtype)
+                for g, part in zip(gradients, tf.split(summed, self._sizes))]
+        return sums, [tf.where(present, new_memory, memory)]
 
     def values_sent(self, variables) -> int:
         """Values of 4 bytes sent per replica per step: k indices and k values (float32)."""

@@ -24,6 +24,7 @@ from tfdp._upstream import keras_train_function
 from tfdp.distribute import compression
 from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import gc_freeze
 from tfdp.training import loss_normalization as norm_lib
@@ -250,6 +251,8 @@ def compile(  # pylint: disable=redefined-builtin
     keras_loss_terms.warn_if_unsupported()
     if jit_compile:
         devices.check_jit_compile_supported(model.distribute_strategy)
+    if shard_optimizer_state and compressor is None and all_reduce_dtype is None:
+        shard_layout.check_strategy(model.distribute_strategy)
     keras_accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
     if keras_accumulation:
         raise ValueError(

@@ -81,6 +81,9 @@ class TrainingOptions:
     @property
     def gradient_sum(self) -> str:
         """The gradient compression asked for, as the user wrote it."""
+        name = getattr(self.compressor, "option_name", None)
+        if name is not None:  # as the user may have written it: "float8"
+            return f"gradient_compression={name!r}"
         if self.compressor is not None:
             return f"gradient_compression={self.compressor!r}"
         return (f"all_reduce_dtype={self.all_reduce_dtype!r} "
@@ -130,13 +133,13 @@ RULES: tuple[Rule, ...] = (
          "weights are averaged exactly, in float32).",
          "Use gradient_compression=None and all_reduce_dtype=None with local steps, or "
          "sync_every=1 and no outer_optimizer to compress synchronous training."),
-    Rule("gradient_compression={o.compressor!r}", "all_reduce_dtype={o.all_reduce_dtype!r}",
+    Rule("{o.gradient_sum}", "all_reduce_dtype={o.all_reduce_dtype!r}",
          lambda o: (o.all_reduce_dtype is not None
                     and isinstance(o.compressor, compression.GradientCompressor)
                     and o.compressor.wire_dtype is not None),
          "the compressor always sends its own {o.compressor.wire_dtype} values, so the dtype "
          "would be ignored.",
-         "Pass all_reduce_dtype=None with it."),
+         "Use it alone. Pass all_reduce_dtype=None with it."),
     Rule("{o.local_steps}", "shard_optimizer_state=True",
          lambda o: o.steps_locally and o.shard_optimizer_state,
          "between synchronisations every replica updates all of its own weights with its "

@@ -53,6 +53,7 @@ from tfdp.distribute import preemption
 from tfdp.distribute import compression
 from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import batch as batch_lib
 from tfdp.training.batch import BatchConfig
@@ -239,6 +240,8 @@ class Trainer:
         local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
+        if shard_optimizer_state and compressor is None and all_reduce_dtype is None:
+            shard_layout.check_strategy(strategy)  # reduce-scatter, or refuse now
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "`model` must be built (give it an Input or call it once) and have "

@@ -2,8 +2,8 @@
 
 Each replica hands the compressor (PowerSGD, Top-K;
 `tfdp.distribute.compression`) one dense gradient per variable the wrapper
-was built for, in that order (zeros where a variable got none this step),
-divided by the loss scale first: its error-feedback memories hold gradients
+was built for, in that order (None where a variable got none this step: it
+sends nothing, and its state stays as it was), divided by the loss scale first: its error-feedback memories hold gradients
 of the unscaled loss, whatever the scale does later. It returns the
 estimated sums, equal on every replica, and its new memories, which
 `settle` commits only when the step is applied (a skipped step leaves them
@@ -68,34 +68,39 @@ class Compressed(base.Exchange):
         dense = []
         for variable in built:
             gradient = given.get(id(variable))
-            if gradient is None:
-                gradient = tf.zeros(variable.shape, variable.dtype)
-            elif isinstance(gradient, tf.IndexedSlices):
+            if isinstance(gradient, tf.IndexedSlices):
                 gradient = tf.convert_to_tensor(gradient)
-            dense.append(gradient if scale is None else _divide(gradient, scale))
+            if gradient is not None and scale is not None:
+                gradient = _divide(gradient, scale)
+            dense.append(gradient)
         sums, new_state = self._sums(context, dense)
         by_variable = {id(v): s for v, s in zip(built, sums)}
         return step.replace(gradients=[by_variable[id(v)] for v in step.variables],
                             reduced=True, unscaled=True, pending=new_state)
 
     def _sums(self, context, dense: list):
-        """`(estimated sums, new state)` of `dense`, plain before `start_step`."""
+        """`(estimated sums, new state)` of `dense` (None: no gradient), plain before `start_step`."""
+        present = [g is not None for g in dense]
 
-        def compressed(dense):
-            return self.compressor.reduce(tf.distribute.get_replica_context(), dense,
-                                          self.all_reduce_dtype)
+        def compressed(given):
+            given = iter(given)
+            sums, state = self.compressor.reduce(
+                tf.distribute.get_replica_context(),
+                [next(given) if p else None for p in present], self.all_reduce_dtype)
+            return [s for s in sums if s is not None], state
 
-        start_step = getattr(self.compressor, "start_step", 0)
-        if not start_step:
-            return compressed(dense)
-
-        def plain(dense):
-            return (reduction.all_reduce_sum(tf.distribute.get_replica_context(), dense,
+        def plain(given):
+            return (reduction.all_reduce_sum(tf.distribute.get_replica_context(), given,
                                              self.all_reduce_dtype),
                     [v.read_value() for v in self.compressor.state])
 
-        return replica_cond.replica_cond(context, self.optimizer.iterations < start_step,
-                                         plain, compressed, dense)
+        # tf.cond takes no None: only the present gradients cross it.
+        given = [g for g in dense if g is not None]
+        start_step = getattr(self.compressor, "start_step", 0)
+        sums, state = compressed(given) if not start_step else replica_cond.replica_cond(
+            context, self.optimizer.iterations < start_step, plain, compressed, given)
+        sums = iter(sums)
+        return [next(sums) if p else None for p in present], state
 
     def settle(self, step: base.Step, proceed: tf.Tensor) -> base.Step:
         if step.pending is not None:

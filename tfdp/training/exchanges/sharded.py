@@ -4,10 +4,11 @@ It wraps the gradient exchange it shards (`inner`: the all-reduce or a
 compressor). Per step, with the layout and collectives of
 `tfdp.distribute.optimizer_sharding`:
 
-- **exchange**: where `inner` is a plain, lossless sum (`scatterable`) and
-  the strategy has collective launchers, the gradients are reduce-scattered:
-  each replica receives only its chunks of the sums, and the deferred
-  divisor takes its own small all-reduce. Otherwise `inner` exchanges the
+- **exchange**: where `inner` is a plain, lossless sum (`scatterable`), the
+  gradients are reduce-scattered (a strategy that cannot is refused:
+  `tfdp.distribute.shard_layout.check_strategy`):
+  each replica receives only its chunks of the sums, the deferred divisor
+  riding along as one more column. Otherwise `inner` exchanges the
   whole gradients;
 - **verdict**: on chunks (`Step.partial`), one all-reduce makes it the same
   everywhere (`tfdp.training.verdict`);
@@ -29,7 +30,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tfdp.distribute import optimizer_sharding
-from tfdp.distribute import reduction
+from tfdp.distribute import shard_layout
 from tfdp.training.exchanges import base
 
 
@@ -72,18 +73,21 @@ class Sharded(base.Exchange):
         self.sharding.build(self.optimizer.inner_optimizer, variables)
 
     def _scatters(self, step: base.Step) -> bool:
-        return (self.sharding.active and step.context.num_replicas_in_sync > 1
-                and self.inner.scatterable and self.sharding.scatters)
+        if not (self.sharding.active and step.context.num_replicas_in_sync > 1
+                and self.inner.scatterable):
+            return False
+        # Never an all-reduce and slice in its place (a wrapper built by hand
+        # reaches here unchecked; tfdp.compile and Trainer check up front).
+        shard_layout.check_strategy(self.sharding.strategy)
+        return True
 
     def exchange(self, step: base.Step) -> base.Step:
         if not self._scatters(step):
             return self.inner.exchange(step)
         # Each replica receives only its chunks, never the whole sum.
-        gradients, variables = self.sharding.reduce_scatter_gradients(
-            step.context, step.gradients, step.variables)
-        divisor = step.divisor
-        if divisor is not None:
-            (divisor,) = reduction.all_reduce_sum(step.context, [divisor])
+        # The deferred divisor rides in the reduce-scatter: no collective of its own.
+        gradients, variables, divisor = self.sharding.reduce_scatter_gradients(
+            step.context, step.gradients, step.variables, step.divisor)
         return step.replace(gradients=gradients, variables=variables, divisor=divisor,
                             reduced=True, partial=True)
 
