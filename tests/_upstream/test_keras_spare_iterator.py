@@ -130,3 +130,55 @@ def test_other_keras_versions_are_left_alone():
     assert keras_spare_iterator.is_supported("3.15.1")
     assert not keras_spare_iterator.is_supported("3.16.0")
     assert not keras_spare_iterator.is_supported("2.15.0")
+
+
+class _StandInEpochIterator:
+    """What `_kept_passes` reads of a `TFEpochIterator`: 5 batches, 2 per call."""
+
+    steps_per_execution, _num_batches = 2, 5
+
+    def __init__(self):
+        self.data_adapter = self
+        self._distribute_strategy = self
+        self.distributed = []
+
+    def get_tf_dataset(self):
+        return tf.data.Dataset.range(self._num_batches)
+
+    def experimental_distribute_dataset(self, dataset):
+        self.distributed.append(dataset)
+        return dataset
+
+
+def _keras_pass(iterator):
+    """Keras' loop for one pass of `_StandInEpochIterator` (what it yields, in order)."""
+    current = iter(iterator._get_iterator())
+    for step in range(0, iterator._num_batches, iterator.steps_per_execution):
+        yield step, step + iterator.steps_per_execution - 1, current
+
+
+def _read_pass(iterator, stop_after=None):
+    """Runs one pass as a bounded multi-step function would; the batches it read."""
+    read = []
+    passes = keras_spare_iterator._kept_passes(iterator, _keras_pass(iterator))
+    for calls, (_, _, batches) in enumerate(passes):
+        steps = iterator.steps_per_execution
+        if isinstance(batches, keras_spare_iterator._keras_train_function.StepBound):
+            batches, steps = batches.iterator, batches.steps
+        read += [int(next(batches)) for _ in range(steps)]
+        if stop_after is not None and calls + 1 == stop_after:
+            passes.close()  # what `break` in Keras' evaluate does
+            break
+    return read
+
+
+def test_a_kept_iterator_reads_each_pass_whole_and_a_stopped_pass_starts_over():
+    iterator = _StandInEpochIterator()
+    # The last call of each pass is bounded to the pass's one remaining batch.
+    assert _read_pass(iterator) == [0, 1, 2, 3, 4]
+    assert _read_pass(iterator) == [0, 1, 2, 3, 4]
+    assert len(iterator.distributed) == 1  # one iterator served both passes
+    assert _read_pass(iterator, stop_after=1) == [0, 1]  # stopped part-way: dropped
+    assert "_get_iterator" not in vars(iterator)
+    assert _read_pass(iterator) == [0, 1, 2, 3, 4]
+    assert len(iterator.distributed) == 2

@@ -81,8 +81,9 @@ def may_draw_seeds(dataset) -> bool:
     """Whether building an iterator of `dataset` may change its later passes.
 
     True when its graph (functions included) holds an op named in
-    `SEED_OP_MARKERS`, or when the graph cannot be serialised (a
-    `from_generator` input, say): then nothing is assumed.
+    `SEED_OP_MARKERS`, or when TensorFlow cannot serialise the graph: then
+    nothing is assumed. (A `from_generator` input serialises; its generator
+    runs at the first read, not when an iterator is built.)
     """
     from tensorflow.core.framework import graph_pb2
 
@@ -165,16 +166,27 @@ def keep_validation_iterator(model) -> bool:
 
 
 def _kept_passes(iterator, passes):
-    """Keras' pass (`passes`) over one kept iterator of the input repeated."""
+    """Keras' pass (`passes`) over one kept iterator of the input repeated.
+
+    A pass that stops early (a callback's `stop_evaluating`, an exception)
+    leaves the kept iterator part-way through the input: it is dropped, and
+    the next pass starts a new one at the input's beginning.
+    """
     if "_get_iterator" not in vars(iterator):
         repeated = iterator.data_adapter.get_tf_dataset().repeat()
         kept = iter(iterator._distribute_strategy.experimental_distribute_dataset(repeated))
         iterator._get_iterator = lambda: kept
     step_size, total = iterator.steps_per_execution, iterator._num_batches
-    for begin, end, distributed in passes:
-        if step_size > 1 and begin + step_size > total:  # the pass ends inside this call
-            distributed = _keras_train_function.StepBound(distributed, total - begin)
-        yield begin, end, distributed
+    read = 0
+    try:
+        for begin, end, distributed in passes:
+            if step_size > 1 and begin + step_size > total:  # the pass ends inside this call
+                distributed = _keras_train_function.StepBound(distributed, total - begin)
+            yield begin, end, distributed
+            read = min(begin + step_size, total)
+    finally:
+        if read < total:
+            del iterator._get_iterator
 
 
 def _make_enumerate_iterator(original):
