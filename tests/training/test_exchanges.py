@@ -78,7 +78,8 @@ CASES = {
     "sharded_topk": ({"shard_optimizer_state": True,
                       "gradient_compression": lambda: tfdp.compression.TopK(fraction=0.5)},
                      sharded.Sharded, "memories+slots"),
-    "local_sgd": ({"sync_every": 2}, local_steps.LocalSteps, "slots"),
+    # The weights too: inside a window they differ, and a save does not sync.
+    "local_sgd": ({"sync_every": 2}, local_steps.LocalSteps, "slots+weights"),
     "float8": ({"gradient_compression": "float8"}, compressed.Compressed, "memories"),
 }
 
@@ -97,7 +98,8 @@ def test_each_exchange_declares_the_state_checkpoints_save(case, two_replicas):
     memories = list(optimizer.compressor.state) if optimizer.compressor is not None else []
     slots = list(optimizer.inner_optimizer.variables)
     expected = {"none": [], "memories": memories, "slots": slots,
-                "memories+slots": memories + slots}[state]
+                "memories+slots": memories + slots,
+                "slots+weights": slots + list(model.trainable_variables)}[state]
     assert _ids(declared) == _ids(expected)
     assert exchange.state_repartitions == (state in ("none", "slots") and kind is not
                                            local_steps.LocalSteps)

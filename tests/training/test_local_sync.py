@@ -253,7 +253,8 @@ def test_sync_is_not_converted_by_autograph_as_the_steps_are(two_replicas, monke
 
 @pytest.mark.slow
 def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas, tmp_path):
-    """A checkpoint ends a window, so a run stopped there and resumed equals one that went on.
+    """A checkpoint inside a window saves every replica's weights, so a run stopped there and
+    resumed equals one that went on.
 
     Plain SGD inside (no per-replica slots); DiLoCo's anchors, counter and
     outer momentum are equal on every replica and checkpointed.
@@ -275,6 +276,90 @@ def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas,
     assert trainer.global_step == EPOCHS * STEPS_PER_EPOCH
     outer = trainer.optimizer.outer_optimizer
     assert int(outer.iterations.numpy()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [None, "diloco"])
+def test_trainer_checkpoints_do_not_change_the_trajectory(two_replicas, tmp_path, kind):
+    """Saves inside windows (every 3 steps, sync_every=4) end no window (issue 33, finding 1).
+
+    With momentum (per-replica slots): a run saving at steps 3, 6 and 9,
+    and a run stopped after its save at step 3 (mid-window, the replicas'
+    weights apart) and resumed, both equal the simulation without saves; the
+    resumed run equals the uninterrupted one bit for bit.
+    """
+    want = numpy_local_training(4, kind is not None)
+    without, _ = train(two_replicas, 4, kind)
+    saving, _ = train(two_replicas, 4, kind, model_dir=str(tmp_path / "a"), checkpoint_every=3)
+    train(two_replicas, 4, kind, model_dir=str(tmp_path / "b"), steps=3, checkpoint_every=3)
+    resumed, trainer = train(two_replicas, 4, kind, model_dir=str(tmp_path / "b"),
+                             checkpoint_every=3)
+    for model in (without, saving, resumed):
+        assert_weights(model, want)
+    for a, b in zip(saving.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert trainer.global_step == EPOCHS * STEPS_PER_EPOCH
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _InterruptAfter(keras.callbacks.Callback):
+    def __init__(self, steps):
+        super().__init__()
+        self._steps, self._seen = steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        if self._seen == self._steps:
+            raise _Interrupted()
+
+
+@pytest.mark.slow
+def test_fit_backups_inside_a_window_do_not_change_the_trajectory(two_replicas, tmp_path):
+    """tfdp's BackupAndRestore(save_freq=3) with sync_every=4: no window ends at a save.
+
+    A run stopped after step 7 (its last backup at step 6, one step into a
+    window) and resumed ends as the simulation without saves, and as a run
+    that backed up without stopping, bit for bit.
+    """
+    want = numpy_local_training(4, True)
+
+    def run(directory, *extra):
+        with two_replicas.scope():
+            model = linear_model()
+            tfdp.compile(model, optimizer=inner_optimizer(), loss="mse", sync_every=4,
+                         outer_optimizer=outer_optimizer("diloco"))
+        backup = tfdp.callbacks.BackupAndRestore(str(directory), save_freq=3)
+        model.fit(backup.wrap(lambda epoch: dataset()), epochs=EPOCHS, verbose=0,
+                  callbacks=[backup, *extra])
+        return model
+
+    straight = run(tmp_path / "a")
+    with pytest.raises(_Interrupted):
+        run(tmp_path / "b", _InterruptAfter(7))
+    resumed = run(tmp_path / "b")
+    assert_weights(straight, want)
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("callback", [
+    lambda path: keras.callbacks.ModelCheckpoint(str(path / "m.keras"), save_freq=2),
+    lambda path: keras.callbacks.BackupAndRestore(str(path / "b"), save_freq=2),
+], ids=["ModelCheckpoint", "BackupAndRestore"])
+def test_keras_savers_mid_epoch_are_refused_with_local_steps(two_replicas, tmp_path, callback):
+    """They would save the first replica's unsynchronised weights; the error names the way out."""
+    callback = callback(tmp_path)
+    with two_replicas.scope():
+        model = linear_model()
+        tfdp.compile(model, optimizer=inner_optimizer(), loss="mse", sync_every=4)
+    name = type(callback).__name__
+    with pytest.raises(ValueError, match=rf"keras.callbacks.{name}\(save_freq=2\).*"
+                                         r"tfdp.callbacks.BackupAndRestore"):
+        model.fit(dataset(), epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 0  # refused before any step
 
 
 def test_optimizer_config_round_trip():

@@ -23,7 +23,9 @@ they are checkpointed with the optimizer.
 This module owns the synchronisation; the local-step exchange
 (`tfdp.training.exchanges.local_steps`) of tfdp's optimizer wrappers
 calls it after each local step, and `sync_pending` at the points where
-weights must be the same everywhere (ends of epochs, evaluation, saving).
+weights must be the same everywhere (ends of epochs, evaluation, the end of
+training). Checkpoints do not synchronise: tfdp's save every replica's
+weights (`tfdp.training.replica_state`), so a window runs on across a save.
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ class LocalSync:
                 for v in variables
             ]
             self.outer_optimizer.build(self._variables)
+
+    @property
+    def weights(self) -> list:
+        """The variables it synchronises (the wrapper's trainable variables; empty until built)."""
+        return list(self._variables)
 
     @property
     def outer_variables(self) -> list:

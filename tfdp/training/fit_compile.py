@@ -7,7 +7,9 @@ all-reduce per global batch (`tfdp.training.accumulation`), non-finite steps
 skipped on every replica alike (`tfdp.training.nonfinite`), and with
 `steps_per_execution > 1` logs reduced once per execution
 (`tfdp._upstream.keras_train_function`). Its `fit` keeps full garbage
-collections from stalling the workers (`tfdp.training.gc_freeze`).
+collections from stalling the workers (`tfdp.training.gc_freeze`), and
+refuses or warns about Keras' own savers where they cannot keep per-replica
+state (`tfdp.training.keras_savers`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import gc_freeze
+from tfdp.training import keras_savers
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import metric_reads
 from tfdp.training import nonfinite as nonfinite_lib
@@ -187,7 +190,12 @@ def compile(  # pylint: disable=redefined-builtin
             the replicas' weights are averaged every `sync_every` optimizer
             steps and at the end of every epoch (one all-reduce of the
             weights; `tfdp.distribute.local_sync`). Evaluation and
-            checkpoints at epoch ends see the synchronised weights.
+            checkpoints at epoch ends see the synchronised weights;
+            `tfdp.callbacks.BackupAndRestore(save_freq=<steps>)` saves every
+            replica's weights mid-window without synchronising them (the
+            trajectory is that of a run without saves), and Keras'
+            `ModelCheckpoint` / `BackupAndRestore` with `save_freq=<steps>`
+            are refused (`tfdp.training.keras_savers`).
             Defaults to 1: synchronous training.
         outer_optimizer: `None` (default), or a Keras optimizer for
             DiLoCo's outer step at each synchronisation (e.g.
@@ -302,6 +310,9 @@ def compile(  # pylint: disable=redefined-builtin
         )
     if local_sync is not None:
         sync_points.install_fit_sync(model)
+    if nonfinite_lib.guard_of(model.optimizer) is not None:
+        # Keras' savers beside per-replica state: refused or warned about, by name.
+        model.fit = functools.partial(_fit_checking_savers, model, model.fit)
     # Full garbage collections would stall every worker in turn (see gc_freeze).
     model.fit = functools.partial(gc_freeze.fit_with_frozen_heap, model.fit)
     for name in gc_freeze.CALL_METHODS:
@@ -316,3 +327,10 @@ def compile(  # pylint: disable=redefined-builtin
     model.tfdp_accum_steps = accum_steps
     model.tfdp_loss_normalization = loss_normalization
     return model
+
+
+def _fit_checking_savers(model, fit, *args, callbacks=None, **kwargs):
+    """`fit`, after `keras_savers.check_fit_callbacks` looked at its callbacks."""
+    keras_savers.check_fit_callbacks(
+        model.optimizer, callbacks, num_replicas=model.distribute_strategy.num_replicas_in_sync)
+    return fit(*args, callbacks=callbacks, **kwargs)

@@ -159,9 +159,12 @@ class Trainer:
         sync_every: with more than 1, local SGD: each replica applies its
             own gradients (its loss normalised by its own counts) with no
             gradient all-reduce, and the replicas' weights are averaged every
-            `sync_every` steps, at the end of every epoch, before every
-            checkpoint and evaluation, and at the end of `train`
-            (`tfdp.distribute.local_sync`). Defaults to 1: synchronous.
+            `sync_every` steps, at the end of every epoch, before
+            evaluation, and at the end of `train`
+            (`tfdp.distribute.local_sync`). A checkpoint does not
+            synchronise: it saves every replica's weights and slots
+            (`tfdp.training.replica_state`), so checkpoints never change the
+            trajectory. Defaults to 1: synchronous.
         outer_optimizer: `None` (default), or a Keras optimizer for
             DiLoCo's outer step at each synchronisation (e.g.
             `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
@@ -717,7 +720,9 @@ class Trainer:
         """Saves the checkpoint of `step` (a collective: every worker calls it)."""
         if self._checkpoints is None or step == self._last_saved_step:
             return  # no model_dir (checkpoint_every alone saves nothing), or saved
-        self._sync_pending()  # a checkpoint holds synchronised weights
+        # No synchronisation first (local steps): every worker's replicas save
+        # their own weights (tfdp.training.replica_state), so a save does not
+        # end a window and the trajectory is that of a run without saves.
         # Every worker holds the same weights, so all refuse alike.
         step_monitor.check_finite_before_save(
             [*self.model.weights, *self.optimizer.variables], step=step,

@@ -6,12 +6,16 @@ the weights a window starts from. `finish` counts the step and, after
 `sync_every` of them, averages the weights (local SGD) or takes DiLoCo's
 outer step, in one exact float32 all-reduce (`tfdp.distribute.local_sync`,
 which owns the synchronisation). `sync_pending` synchronises a window cut
-short (ends of epochs, evaluation, saves).
+short (ends of epochs, evaluation, the end of training); a checkpoint does
+not cut it.
 
 Per-replica state: the inner optimizer's slots, which every replica updates
-with its own gradients and which cannot be re-cut for another number of
-replicas. The counter, DiLoCo's anchors and its outer optimizer's slots are
-equal on every replica and are the wrapper's own variables.
+with its own gradients, and the weights themselves, which differ inside a
+window: a checkpoint saves every replica's copy instead of synchronising
+first, so saving never changes the trajectory. Neither can be re-cut for
+another number of replicas. The counter, DiLoCo's anchors and its outer
+optimizer's slots are equal on every replica and are the wrapper's own
+variables.
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ class LocalSteps(base.Exchange):
 
     @property
     def state_variables(self) -> list:
-        return list(self.optimizer.inner_optimizer.variables)
+        return list(self.optimizer.inner_optimizer.variables) + self.local_sync.weights
+
+    @property
+    def lost_by_keras_saves(self) -> str:
+        return ("each replica's own inner optimizer slots (and, inside a window of "
+                "sync_every steps, its own weights)")
 
     @property
     def extra_optimizer_variables(self) -> list:
