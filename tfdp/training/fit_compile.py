@@ -148,7 +148,9 @@ def compile(  # pylint: disable=redefined-builtin
     slots and `model.optimizer.iterations` unchanged, and counted in
     `model.optimizer.skipped_steps` (checkpointed with the optimizer). After
     `max_consecutive_nonfinite` in a row, `fit` raises
-    `tfdp.training.nonfinite.NonFiniteError`. `"raise"` raises at the first (never
+    `tfdp.training.nonfinite.NonFiniteError` (with local steps, where each
+    replica skips on its own, on every worker after the synchronisation that
+    carried the stop). `"raise"` raises at the first (never
     applying it); `None` keeps Keras' behaviour (under `mixed_float16`:
     overflowing steps skipped as Keras' loss scaling does, with no limit, and
     counted in `skipped_steps`). Keras still logs the loss of

@@ -109,7 +109,7 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         self.consecutive_skipped_steps.assign(0)
 
     def _skip(self):
-        live = tf.logical_not(self._exhausted())
+        live = tf.logical_not(self.exhausted())
         self._count_skip(self.dynamic_scale <= 1.0)
         self.step_counter.assign(0)
         self.dynamic_scale.assign(

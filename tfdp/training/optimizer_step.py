@@ -190,7 +190,7 @@ class OptimizerStep(verdict_lib.Counters):
         if step.divisor is not None:
             divisor = tf.math.maximum(step.divisor[0], 1e-30)
             step = step.replace(gradients=[divide(g, divisor) for g in step.gradients])
-        proceed = tf.logical_and(verdict_lib.verdict(step), tf.logical_not(self._exhausted()))
+        proceed = tf.logical_and(verdict_lib.verdict(step), tf.logical_not(self.exhausted()))
         step = exchange.settle(step, proceed)
         self._apply_or_skip(step, proceed)
         exchange.finish(context)

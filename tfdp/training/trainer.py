@@ -97,7 +97,11 @@ class Trainer:
     scale) as Keras' loss scaling does, with no limit, and counted. In every
     mode a checkpoint whose weights are not finite is never written (`train`
     raises `NonFiniteError` instead). The decision costs no collective (see
-    `tfdp.training.nonfinite`).
+    `tfdp.training.nonfinite`). With local steps (`sync_every`) there is no
+    per-step collective: each replica skips its own non-finite steps, and a
+    replica at the limit stops everyone at the next synchronisation, where
+    every worker raises the same `NonFiniteError`
+    (`tfdp.distribute.local_sync`).
 
     Args:
         model: a built Keras model whose variables were created in
@@ -622,7 +626,7 @@ class Trainer:
         """
         # As in train: a full garbage collection on one worker stalls the others.
         with gc_freeze.FrozenHeap():
-            self._sync_pending()
+            self._sync_pending(training=False)
             self._reset(self._steps.eval_loss, *self._steps.eval_metrics)
             if isinstance(dataset, tf.data.Dataset):
                 dataset = self.strategy.experimental_distribute_dataset(dataset)
@@ -711,10 +715,18 @@ class Trainer:
         self._checkpoints.restore_replica_state_again()  # the handler restored the chief's
         return self._watcher
 
-    def _sync_pending(self) -> None:
-        """With local steps (sync_every, outer_optimizer), synchronises the weights if they differ."""
+    def _sync_pending(self, *, training: bool = True) -> None:
+        """With local steps (sync_every, outer_optimizer), synchronises the weights if they differ.
+
+        Raises:
+            NonFiniteError: while `training`, the workers agreed at this
+                synchronisation to stop (a replica reached
+                `max_consecutive_nonfinite`).
+        """
         if self._guard is not None:
             self._guard.sync_pending()
+            if training and self._guard.steps_locally:
+                self._monitor.check()
 
     def _save(self, step: int):
         """Saves the checkpoint of `step` (a collective: every worker calls it)."""

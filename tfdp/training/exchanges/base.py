@@ -122,6 +122,17 @@ class Exchange:
         return None
 
     @property
+    def stop_variable(self):
+        """`None`, or an int64 variable equal on every replica that is 1 once training must stop.
+
+        For an exchange whose replicas decide their skips each on its own
+        (local steps): the non-finite guard's limit reached on any replica,
+        agreed at a synchronisation. The loops raise on it
+        (`tfdp.training.step_monitor`) instead of on the per-replica counters.
+        """
+        return None
+
+    @property
     def extra_optimizer_variables(self) -> list:
         """Variables the wrapper lists beside its own and the inner optimizer's (DiLoCo's outer slots)."""
         return []

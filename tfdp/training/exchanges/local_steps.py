@@ -9,11 +9,12 @@ which owns the synchronisation). `sync_pending` synchronises a window cut
 short (ends of epochs, evaluation, the end of training); a checkpoint does
 not cut it.
 
-Per-replica state: the inner optimizer's slots, which every replica updates
-with its own gradients, and the weights themselves, which differ inside a
-window: a checkpoint saves every replica's copy instead of synchronising
-first, so saving never changes the trajectory. Neither can be re-cut for
-another number of replicas. The counter, DiLoCo's anchors and its outer
+Per-replica state: the inner optimizer's slots (and its `iterations`),
+which every replica updates with its own gradients, the weights themselves,
+which differ inside a window, and the non-finite guard's skip counters
+(each replica skips on its own): a checkpoint saves every replica's copy
+instead of synchronising first, so saving never changes the trajectory.
+None of it can be re-cut for another number of replicas. The counter, DiLoCo's anchors and its outer
 optimizer's slots are equal on every replica and are the wrapper's own
 variables.
 """
@@ -41,7 +42,12 @@ class LocalSteps(base.Exchange):
 
     @property
     def state_variables(self) -> list:
-        return list(self.optimizer.inner_optimizer.variables) + self.local_sync.weights
+        # The skip counters too: each replica skips its own non-finite steps,
+        # so its counts (and the inner optimizer's iterations, in its
+        # variables) may differ from the others'.
+        counters = [self.optimizer.skipped_steps, self.optimizer.consecutive_skipped_steps]
+        return (list(self.optimizer.inner_optimizer.variables) + self.local_sync.weights
+                + counters)
 
     @property
     def lost_by_keras_saves(self) -> str:
@@ -59,8 +65,13 @@ class LocalSteps(base.Exchange):
         outer = self.local_sync.outer_optimizer
         return {} if outer is None else {"outer_optimizer": outer}
 
+    @property
+    def stop_variable(self):
+        return self.local_sync.stopped
+
     def build(self, variables: list) -> None:
-        self.local_sync.build(self.optimizer, variables)
+        # The guard's limit is per replica here: the synchronisation agrees on it.
+        self.local_sync.build(self.optimizer, variables, stop=self.optimizer.exhausted)
 
     def exchange(self, step: base.Step) -> base.Step:
         self.local_sync.before_step()
