@@ -312,7 +312,7 @@ def compile(  # pylint: disable=redefined-builtin
         )
     if local_sync is not None:
         sync_points.install_fit_sync(model)
-    if nonfinite_lib.guard_of(model.optimizer) is not None:
+    if keras_savers.has_state_they_lose(model.optimizer, model.distribute_strategy):
         # Keras' savers beside per-replica state: refused or warned about, by name.
         model.fit = functools.partial(_fit_checking_savers, model, model.fit)
     # Full garbage collections would stall every worker in turn (see gc_freeze).

@@ -44,6 +44,13 @@ def _flatten(callbacks) -> list:
     return keras.tree.flatten(callbacks)
 
 
+def has_state_they_lose(optimizer, strategy) -> bool:
+    """Whether `optimizer` (any) keeps per-replica state Keras' savers lose under `strategy`."""
+    exchange = getattr(optimizer, "exchange", None)
+    return (exchange is not None and strategy.num_replicas_in_sync > 1
+            and exchange.lost_by_keras_saves is not None)
+
+
 def _saves_mid_epoch(callback) -> bool:
     if isinstance(callback, keras.callbacks.ModelCheckpoint):
         return callback.save_freq != "epoch"
