@@ -111,6 +111,24 @@ def test_a_plain_keras_optimizer_keeps_no_per_replica_state():
     assert replica_state.variables_of(keras.optimizers.SGD(0.1)) == []
 
 
+def test_local_steps_save_each_replicas_skip_counters_and_loss_scale(two_replicas):
+    """Issue 33, finding 2: each replica skips on its own under local steps, so its
+    counters and loss scale differ from the others' and go into the per-replica files."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        with two_replicas.scope():
+            model = mlp()
+            tfdp.compile(model, optimizer=keras.optimizers.SGD(0.1), loss="mse", sync_every=2)
+            model.optimizer.build(model.trainable_variables)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    optimizer = model.optimizer
+    saved = _ids(replica_state.variables_of(optimizer))
+    for variable in (optimizer.skipped_steps, optimizer.consecutive_skipped_steps,
+                     optimizer.dynamic_scale, optimizer.step_counter):
+        assert id(variable) in saved, variable.path
+
+
 def _imported_modules(path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:

@@ -80,6 +80,10 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         self.exchange.build_inner(var_list)
         super().build(var_list)
 
+    def verdict_variables(self) -> list:
+        """The counters, and the loss scale and its growth counter, which skips change."""
+        return super().verdict_variables() + [self.dynamic_scale, self.step_counter]
+
     def gradient_scale(self):
         """The loss scale: exchanges that keep memories (compressors) hold unscaled gradients."""
         return self.dynamic_scale

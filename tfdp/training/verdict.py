@@ -151,6 +151,15 @@ class Counters:
             name="consecutive_skipped_steps",
         )
 
+    def verdict_variables(self) -> list:
+        """The wrapper's own variables each replica updates from its verdicts: the counters.
+
+        Equal on every replica when the verdict is (one all-reduced sum); under
+        local steps each replica's own, so saved per replica
+        (`tfdp.training.exchanges.local_steps`).
+        """
+        return [self.skipped_steps, self.consecutive_skipped_steps]
+
     def exhausted(self) -> tf.Tensor:
         """Bool scalar: `max_consecutive_nonfinite` steps in a row were skipped; apply nothing more."""
         return self.consecutive_skipped_steps >= self.max_consecutive_nonfinite

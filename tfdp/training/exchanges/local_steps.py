@@ -11,8 +11,8 @@ not cut it.
 
 Per-replica state: the inner optimizer's slots (and its `iterations`),
 which every replica updates with its own gradients, the weights themselves,
-which differ inside a window, and the non-finite guard's skip counters
-(each replica skips on its own): a checkpoint saves every replica's copy
+which differ inside a window, and the non-finite guard's skip counters and
+loss scale (each replica skips on its own): a checkpoint saves every replica's copy
 instead of synchronising first, so saving never changes the trajectory.
 None of it can be re-cut for another number of replicas. The counter, DiLoCo's anchors and its outer
 optimizer's slots are equal on every replica and are the wrapper's own
@@ -42,12 +42,11 @@ class LocalSteps(base.Exchange):
 
     @property
     def state_variables(self) -> list:
-        # The skip counters too: each replica skips its own non-finite steps,
-        # so its counts (and the inner optimizer's iterations, in its
-        # variables) may differ from the others'.
-        counters = [self.optimizer.skipped_steps, self.optimizer.consecutive_skipped_steps]
+        # The skip counters and loss scale too: each replica skips its own
+        # non-finite steps, so they (and the inner optimizer's iterations, in
+        # its variables) may differ from the others'.
         return (list(self.optimizer.inner_optimizer.variables) + self.local_sync.weights
-                + counters)
+                + self.optimizer.verdict_variables())
 
     @property
     def lost_by_keras_saves(self) -> str:
