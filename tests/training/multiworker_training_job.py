@@ -32,7 +32,9 @@ the global batches of `global_batches(0)`, one epoch:
   `VALIDATION_EPOCHS` epochs, `steps_per_execution=3` over 4 validation
   batches (the last partial), with tfdp's one validation iterator
   (`keras_spare_iterator.keep_validation_iterator`) and with Keras' own loop:
-  the logs, and the distributed iterators Keras' loop built.
+  the logs, and the distributed iterators Keras' loop built;
+- `local_nan_*`: local SGD with NaN on worker 1 only (`nan_on_worker_1`):
+  what `fit` raised on each worker and the batches whose end it reached.
 
 The test imports this module too, for the data, models and optimizers (one
 source of truth for the workers and the single-device references).
@@ -617,6 +619,49 @@ def _resume_cases(tfdp, strategy, out_dir):
     return results
 
 
+#: Local SGD whose worker 1 meets NaN in these steps (0-based), with a limit of 2.
+LOCAL_NAN_STEPS, LOCAL_NAN_SYNC_EVERY, LOCAL_NAN_LIMIT = (1, 2), 4, 2
+
+
+def nan_on_worker_1(rank, epoch=0):
+    """`global_batches(epoch)`, with NaN features in `LOCAL_NAN_STEPS` on worker 1 only."""
+    import tensorflow as tf
+
+    x, y = arrays()
+    order = epoch_order(epoch)
+    x, y = x[order].copy(), y[order]
+    if rank == 1:
+        for step in LOCAL_NAN_STEPS:
+            x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH] = np.nan
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+
+
+def _local_nan_case(tfdp, strategy, rank):
+    """Local SGD with NaN on one worker: each skips on its own, and both must stop alike.
+
+    Last of the launch: before issue 33's finding 2 was fixed, worker 1
+    raised alone and worker 0 waited in the next synchronisation.
+    """
+    import keras
+
+    batches = []
+
+    class Batches(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            batches.append(batch)
+
+    with strategy.scope():
+        model = build_model()
+        tfdp.compile(model, optimizer=optimizer(), loss=loss(), sync_every=LOCAL_NAN_SYNC_EVERY,
+                     max_consecutive_nonfinite=LOCAL_NAN_LIMIT)
+    try:
+        model.fit(nan_on_worker_1(rank), epochs=1, verbose=0, callbacks=[Batches()])
+        error = ""
+    except Exception as caught:  # pylint: disable=broad-except
+        error = f"{type(caught).__name__}: {caught}"[-3000:]
+    return {"local_nan_error": error, "local_nan_batches": np.array(batches, "int64")}
+
+
 def main(out_dir: str) -> None:
     import tfdp
 
@@ -654,6 +699,7 @@ def main(out_dir: str) -> None:
     # After the scratch count above: these Trainers save more.
     timed("resume", _resume_cases, tfdp, strategy, out_dir)
     timed("jit", _jit_case, tfdp, strategy, counter)
+    timed("local_nan", _local_nan_case, tfdp, strategy, rank)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     sys.stdout.flush()
     sys.stderr.flush()

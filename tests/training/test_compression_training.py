@@ -215,3 +215,41 @@ def test_a_variable_without_a_gradient_keeps_its_compressor_state(two_replicas, 
             np.testing.assert_array_equal(new.reshape(-1)[cut], old.reshape(-1)[cut])
     assert any(not np.array_equal(a, b) for a, b in zip(before[-1], after[-1])), \
         "the other variables' state did not move"
+
+
+def _keras_model_checkpoint(path):
+    return keras.callbacks.ModelCheckpoint(str(path / "model.keras"))
+
+
+def _keras_backup_and_restore(path):
+    return keras.callbacks.BackupAndRestore(str(path / "backup"), delete_checkpoint=False)
+
+
+@pytest.mark.parametrize("make_saver,name", [
+    (_keras_model_checkpoint, "keras.callbacks.ModelCheckpoint"),
+    (_keras_backup_and_restore, "keras.callbacks.BackupAndRestore"),
+    (None, "model.save()"),
+], ids=["ModelCheckpoint", "BackupAndRestore", "model.save"])
+def test_keras_savers_warn_that_they_lose_the_error_memories(two_replicas, tmp_path, caplog,
+                                                             make_saver, name):
+    """Issue 33, finding 6: they keep no error memory; the warning names the saver and the fix.
+
+    The memories are not optimizer variables: neither a `.keras` file nor
+    Keras' backups hold them (tfdp's checkpoints write every replica's copy).
+    """
+    with two_replicas.scope():
+        trained = model()
+        tfdp.compile(trained, optimizer=keras.optimizers.SGD(0.1), loss=loss(),
+                     gradient_compression=tfdp.compression.TopK(fraction=0.3))
+    callbacks = [] if make_saver is None else [make_saver(tmp_path)]
+    with caplog.at_level("WARNING"):
+        trained.fit(dataset(), epochs=1, verbose=0, callbacks=callbacks)
+        if make_saver is None:
+            trained.save(str(tmp_path / "model.keras"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    named = [w for w in warnings if name in w and "error-feedback memories" in w]
+    assert named, warnings
+    assert "tfdp.callbacks.BackupAndRestore" in named[0]
+    memories = trained.optimizer.compressor.state
+    saved = {v.path for v in trained.optimizer.variables}
+    assert not any(getattr(v, "path", v.name) in saved for v in memories)

@@ -78,7 +78,9 @@ CASES = {
     "sharded_topk": ({"shard_optimizer_state": True,
                       "gradient_compression": lambda: tfdp.compression.TopK(fraction=0.5)},
                      sharded.Sharded, "memories+slots"),
-    "local_sgd": ({"sync_every": 2}, local_steps.LocalSteps, "slots"),
+    # The weights and skip counters too: inside a window they differ, and a
+    # save does not synchronise (issue 33, findings 1 and 2).
+    "local_sgd": ({"sync_every": 2}, local_steps.LocalSteps, "slots+weights+counters"),
     "float8": ({"gradient_compression": "float8"}, compressed.Compressed, "memories"),
 }
 
@@ -97,7 +99,9 @@ def test_each_exchange_declares_the_state_checkpoints_save(case, two_replicas):
     memories = list(optimizer.compressor.state) if optimizer.compressor is not None else []
     slots = list(optimizer.inner_optimizer.variables)
     expected = {"none": [], "memories": memories, "slots": slots,
-                "memories+slots": memories + slots}[state]
+                "memories+slots": memories + slots,
+                "slots+weights+counters": slots + list(model.trainable_variables)
+                + [optimizer.skipped_steps, optimizer.consecutive_skipped_steps]}[state]
     assert _ids(declared) == _ids(expected)
     assert exchange.state_repartitions == (state in ("none", "slots") and kind is not
                                            local_steps.LocalSteps)
@@ -105,6 +109,24 @@ def test_each_exchange_declares_the_state_checkpoints_save(case, two_replicas):
 
 def test_a_plain_keras_optimizer_keeps_no_per_replica_state():
     assert replica_state.variables_of(keras.optimizers.SGD(0.1)) == []
+
+
+def test_local_steps_save_each_replicas_skip_counters_and_loss_scale(two_replicas):
+    """Issue 33, finding 2: each replica skips on its own under local steps, so its
+    counters and loss scale differ from the others' and go into the per-replica files."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        with two_replicas.scope():
+            model = mlp()
+            tfdp.compile(model, optimizer=keras.optimizers.SGD(0.1), loss="mse", sync_every=2)
+            model.optimizer.build(model.trainable_variables)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    optimizer = model.optimizer
+    saved = _ids(replica_state.variables_of(optimizer))
+    for variable in (optimizer.skipped_steps, optimizer.consecutive_skipped_steps,
+                     optimizer.dynamic_scale, optimizer.step_counter):
+        assert id(variable) in saved, variable.path
 
 
 def _imported_modules(path):
@@ -178,7 +200,9 @@ def test_the_step_fields_are_replaced_not_mutated():
 
 #: Collectives in 4 steps on 2 replicas (a measuring MirroredStrategy):
 #: `(batched all-reduces, values each replica contributes, all-gathers)`, as
-#: on main before the exchanges had modules of their own. None may rise.
+#: on main before the exchanges had modules of their own. None may rise; local
+#: steps' synchronisations carry one value more (62 -> 64: the request to stop,
+#: issue 33 finding 2) in the same all-reduce, no collective more.
 COLLECTIVES = {
     "plain": ({}, (4, 124, 0)),
     "bfloat16": ({"gradient_compression": "bfloat16"}, (4, 124, 0)),
@@ -187,9 +211,9 @@ COLLECTIVES = {
     "sharded": ({"shard_optimizer_state": True}, (4, 72, 4)),
     "sharded_bfloat16": ({"shard_optimizer_state": True, "gradient_compression": "bfloat16"},
                          (4, 192, 4)),
-    "sync_every_2": ({"sync_every": 2}, (2, 62, 0)),
+    "sync_every_2": ({"sync_every": 2}, (2, 64, 0)),
     "diloco": ({"sync_every": 2, "outer_optimizer": lambda: keras.optimizers.SGD(
-        0.7, momentum=0.9, nesterov=True)}, (2, 62, 0)),
+        0.7, momentum=0.9, nesterov=True)}, (2, 64, 0)),
     "lamb_sharded": ({"shard_optimizer_state": True,
                       "optimizer": lambda: tfdp.optimizers.LAMB(0.01)}, (8, 104, 4)),
 }

@@ -220,11 +220,14 @@ def test_validation_sees_synchronised_weights(two_replicas, sync_every, kind, va
 @pytest.mark.slow
 @pytest.mark.parametrize("sync_every,kind,windows", [(3, None, 2), (2, "diloco", 3), (5, None, 1)])
 def test_one_weight_all_reduce_per_window_and_none_between(sync_every, kind, windows):
-    """Counted at run time over one epoch of 5 steps: one all-reduce of all weights per window."""
+    """Counted at run time over one epoch of 5 steps: one all-reduce of all weights per window.
+
+    With the weights, each replica's request to stop (one float32) rides in it.
+    """
     strategy, (all_reduces, values, all_gathers) = strategy_testing.measuring_strategy(2)
     fit(strategy, sync_every, kind, epochs=1)
     assert int(all_reduces.numpy()) == windows
-    assert int(values.numpy()) == windows * (FEATURES + 1)
+    assert int(values.numpy()) == windows * (FEATURES + 1 + 1)
     assert int(all_gathers.numpy()) == 0
 
 
@@ -253,7 +256,8 @@ def test_sync_is_not_converted_by_autograph_as_the_steps_are(two_replicas, monke
 
 @pytest.mark.slow
 def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas, tmp_path):
-    """A checkpoint ends a window, so a run stopped there and resumed equals one that went on.
+    """A checkpoint inside a window saves every replica's weights, so a run stopped there and
+    resumed equals one that went on.
 
     Plain SGD inside (no per-replica slots); DiLoCo's anchors, counter and
     outer momentum are equal on every replica and checkpointed.
@@ -275,6 +279,158 @@ def test_trainer_resumes_exactly_from_a_checkpoint_inside_a_window(two_replicas,
     assert trainer.global_step == EPOCHS * STEPS_PER_EPOCH
     outer = trainer.optimizer.outer_optimizer
     assert int(outer.iterations.numpy()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [None, "diloco"])
+def test_trainer_checkpoints_do_not_change_the_trajectory(two_replicas, tmp_path, kind):
+    """Saves inside windows (every 3 steps, sync_every=4) end no window (issue 33, finding 1).
+
+    With momentum (per-replica slots): a run saving at steps 3, 6 and 9,
+    and a run stopped after its save at step 3 (mid-window, the replicas'
+    weights apart) and resumed, both equal the simulation without saves; the
+    resumed run equals the uninterrupted one bit for bit.
+    """
+    want = numpy_local_training(4, kind is not None)
+    without, _ = train(two_replicas, 4, kind)
+    saving, _ = train(two_replicas, 4, kind, model_dir=str(tmp_path / "a"), checkpoint_every=3)
+    train(two_replicas, 4, kind, model_dir=str(tmp_path / "b"), steps=3, checkpoint_every=3)
+    resumed, trainer = train(two_replicas, 4, kind, model_dir=str(tmp_path / "b"),
+                             checkpoint_every=3)
+    for model in (without, saving, resumed):
+        assert_weights(model, want)
+    for a, b in zip(saving.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert trainer.global_step == EPOCHS * STEPS_PER_EPOCH
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _InterruptAfter(keras.callbacks.Callback):
+    def __init__(self, steps):
+        super().__init__()
+        self._steps, self._seen = steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        if self._seen == self._steps:
+            raise _Interrupted()
+
+
+@pytest.mark.slow
+def test_fit_backups_inside_a_window_do_not_change_the_trajectory(two_replicas, tmp_path):
+    """tfdp's BackupAndRestore(save_freq=3) with sync_every=4: no window ends at a save.
+
+    A run stopped after step 7 (its last backup at step 6, one step into a
+    window) and resumed ends as the simulation without saves, and as a run
+    that backed up without stopping, bit for bit.
+    """
+    want = numpy_local_training(4, True)
+
+    def run(directory, *extra):
+        with two_replicas.scope():
+            model = linear_model()
+            tfdp.compile(model, optimizer=inner_optimizer(), loss="mse", sync_every=4,
+                         outer_optimizer=outer_optimizer("diloco"))
+        backup = tfdp.callbacks.BackupAndRestore(str(directory), save_freq=3)
+        model.fit(backup.wrap(lambda epoch: dataset()), epochs=EPOCHS, verbose=0,
+                  callbacks=[backup, *extra])
+        return model
+
+    straight = run(tmp_path / "a")
+    with pytest.raises(_Interrupted):
+        run(tmp_path / "b", _InterruptAfter(7))
+    resumed = run(tmp_path / "b")
+    assert_weights(straight, want)
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("callback", [
+    lambda path: keras.callbacks.ModelCheckpoint(str(path / "m.keras"), save_freq=2),
+    lambda path: keras.callbacks.BackupAndRestore(str(path / "b"), save_freq=2),
+], ids=["ModelCheckpoint", "BackupAndRestore"])
+def test_keras_savers_mid_epoch_are_refused_with_local_steps(two_replicas, tmp_path, callback):
+    """They would save the first replica's unsynchronised weights; the error names the way out."""
+    callback = callback(tmp_path)
+    with two_replicas.scope():
+        model = linear_model()
+        tfdp.compile(model, optimizer=inner_optimizer(), loss="mse", sync_every=4)
+    name = type(callback).__name__
+    with pytest.raises(ValueError, match=rf"keras.callbacks.{name}\(save_freq=2\).*"
+                                         r"tfdp.callbacks.BackupAndRestore"):
+        model.fit(dataset(), epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 0  # refused before any step
+
+
+STOPPED_AT_SYNC = "stopped on every worker at the next synchronisation"
+
+
+def _nan_on_replica_1(batches):
+    """`dataset()` with NaN features in the second replica's half of the given batches."""
+    x = X.copy()
+    for b in batches:
+        x[b * GLOBAL_BATCH + GLOBAL_BATCH // 2:(b + 1) * GLOBAL_BATCH] = np.nan
+    return tf.data.Dataset.from_tensor_slices((x, Y)).batch(GLOBAL_BATCH, drop_remainder=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["fit", "trainer"])
+def test_the_nonfinite_limit_stops_every_worker_at_a_synchronisation(two_replicas, loop):
+    """Issue 33, finding 2: under local steps each replica skips on its own, so no worker may
+    raise alone (the others would wait in the next synchronisation's all-reduce).
+
+    NaN on replica 1 in steps 2 and 3 reaches max_consecutive_nonfinite=2 at
+    step 3, inside a window of sync_every=4. The request to stop rides in the
+    all-reduce of step 4, and training stops there, on every replica alike:
+    the weights are synchronised and the window is closed when the error is
+    raised.
+    """
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    with two_replicas.scope():
+        model = linear_model()
+        optimizer = inner_optimizer()
+    if loop == "fit":
+        with two_replicas.scope():
+            tfdp.compile(model, optimizer=optimizer, loss="mse", sync_every=4,
+                         max_consecutive_nonfinite=2)
+        guard = model.optimizer
+        with pytest.raises(nonfinite_lib.NonFiniteError, match=STOPPED_AT_SYNC):
+            model.fit(_nan_on_replica_1([1, 2]), epochs=1, verbose=0, callbacks=[Count()])
+    else:
+        trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=two_replicas,
+                               batch=BatchConfig.from_global(GLOBAL_BATCH, 2), sync_every=4,
+                               max_consecutive_nonfinite=2)
+        guard = trainer.optimizer
+        with pytest.raises(nonfinite_lib.NonFiniteError, match=STOPPED_AT_SYNC):
+            trainer.train(_nan_on_replica_1([1, 2]), steps=STEPS_PER_EPOCH)
+    assert int(guard.local_sync.steps_since_sync.numpy()) == 0
+    assert int(guard.local_sync.stopped.numpy()) == 1
+    for copies in replica_copies(two_replicas, model):
+        np.testing.assert_array_equal(copies[0], copies[1])
+    if loop == "fit":
+        assert seen == [0, 1, 2]  # not stopped alone at step 3; step 4's batch end never ran
+
+
+@pytest.mark.slow
+def test_a_stop_agreed_at_the_last_synchronisation_raises_at_the_end_of_training(two_replicas):
+    """The limit reached in a window that only the end of `train` closes: raised there."""
+    with two_replicas.scope():
+        model = linear_model()
+        optimizer = inner_optimizer()
+    trainer = tfdp.Trainer(model, optimizer=optimizer, loss="mse", strategy=two_replicas,
+                           batch=BatchConfig.from_global(GLOBAL_BATCH, 2), sync_every=4,
+                           max_consecutive_nonfinite=2)
+    with pytest.raises(nonfinite_lib.NonFiniteError, match=STOPPED_AT_SYNC):
+        trainer.train(_nan_on_replica_1([1, 2]), steps=3)
+    assert int(trainer.optimizer.local_sync.stopped.numpy()) == 1
 
 
 def test_optimizer_config_round_trip():

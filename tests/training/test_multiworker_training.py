@@ -416,3 +416,18 @@ def test_jit_compile_on_cpu_workers_is_refused_with_the_reason(workers):
         error = str(record["jit_error"])
         assert error.startswith("ValueError: jit_compile=True cannot run on a "
                                 "MultiWorkerMirroredStrategy over CPU workers"), error
+
+
+def test_local_steps_with_nan_on_one_worker_stop_both_workers_alike(workers):
+    """Issue 33, finding 2: each worker skips its own NaN steps (no per-step collective); the
+    one that reaches the limit must not raise alone while the other waits in the next
+    synchronisation. Both raise the same NonFiniteError after the same step: the
+    synchronisation that carried the request to stop (step 4, sync_every=4)."""
+    _, records = workers
+    for record in records:
+        error = str(record["local_nan_error"])
+        assert error.startswith("NonFiniteError:"), error
+        assert "stopped on every worker at the next synchronisation" in error, error
+        # Steps 1-3 reached their batch ends; step 4 (the synchronisation) raised.
+        assert record["local_nan_batches"].tolist() == [0, 1, 2]
+

@@ -120,9 +120,14 @@ class GradientCompressor:
 def state_variable(initial_value: Any, name: str) -> tf.Variable:
     """A variable each replica reads and writes on its own (no collective).
 
-    Checkpoints save the first replica's copy and restore it to every
-    replica: exact for state that is equal on every replica, not for error
-    memories (see the README's compression section).
+    Not an optimizer variable: neither the chief's `tf.train.Checkpoint` nor
+    a `.keras` file holds it. tfdp's checkpoints (`tfdp.Trainer(model_dir=...)`,
+    `tfdp.callbacks.BackupAndRestore`) save every replica's copy beside them
+    and restore each replica's own (`tfdp.training.replica_state`, as the
+    compressed exchange declares it in `state_variables`). Keras' savers
+    (`model.save`, `keras.callbacks.ModelCheckpoint`,
+    `keras.callbacks.BackupAndRestore`) keep none of it, and tfdp warns,
+    naming the saver (`tfdp.training.keras_savers`).
     """
     return tf.Variable(
         initial_value, trainable=False, name=name,

@@ -20,15 +20,26 @@ counter since the last synchronisation, the anchors and the outer optimizer's
 slots are equal on every replica and live in the wrapper's variables, so
 they are checkpointed with the optimizer.
 
+Stopping. Each replica decides on its own whether to skip a non-finite
+step (there is no per-step collective to agree on it), so one replica may
+reach the limit of skips in a row while the others train on. Its request to
+stop rides in the next synchronisation's all-reduce (one more float32
+value, no collective of its own), which sets `stopped` on every replica
+alike; the training loops raise on `stopped`, so every worker stops after
+the same step instead of one raising while the others wait in the next
+collective.
+
 This module owns the synchronisation; the local-step exchange
 (`tfdp.training.exchanges.local_steps`) of tfdp's optimizer wrappers
 calls it after each local step, and `sync_pending` at the points where
-weights must be the same everywhere (ends of epochs, evaluation, saving).
+weights must be the same everywhere (ends of epochs, evaluation, the end of
+training). Checkpoints do not synchronise: tfdp's save every replica's
+weights (`tfdp.training.replica_state`), so a window runs on across a save.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -82,6 +93,8 @@ class LocalSync:
         self.outer_optimizer = (None if outer_optimizer is None
                                 else keras.optimizers.get(outer_optimizer))
         self.steps_since_sync = None
+        self.stopped = None  # see build(stop=...)
+        self._stop = None
         self.anchors: list = []
         self._variables: list = []
         self._sync_function = None
@@ -90,9 +103,21 @@ class LocalSync:
     def __repr__(self) -> str:
         return f"LocalSync(sync_every={self.sync_every}, outer_optimizer={self.outer_optimizer!r})"
 
-    def build(self, owner: keras.optimizers.Optimizer, variables: Sequence) -> None:
-        """Creates the counter (and DiLoCo's anchors and outer slots) as `owner`'s variables."""
+    def build(self, owner: keras.optimizers.Optimizer, variables: Sequence,
+              stop: Callable[[], tf.Tensor] | None = None) -> None:
+        """Creates the counter (and DiLoCo's anchors and outer slots) as `owner`'s variables.
+
+        Args:
+            owner: the optimizer wrapper whose variables they are.
+            variables: the weights to synchronise.
+            stop: `None`, or a function returning, in replica context, a
+                bool scalar: this replica asks the training to stop (the
+                non-finite guard's limit). Each synchronisation carries it
+                in the weights' all-reduce, and sets `stopped` on every
+                replica when any replica asked.
+        """
         self._variables = list(variables)
+        self._stop = stop
         self._strategy = tf.distribute.get_strategy()  # build runs in the strategy's scope
         # aggregation="none": every replica computes the same value and
         # updates its own copy, without a collective.
@@ -100,6 +125,11 @@ class LocalSync:
             shape=(), dtype="int64", initializer="zeros", aggregation="none",
             name="steps_since_sync",
         )
+        if stop is not None:
+            self.stopped = owner.add_variable(
+                shape=(), dtype="int64", initializer="zeros", aggregation="none",
+                name="stop_agreed",
+            )
         if self.outer_optimizer is not None:
             if not self.outer_optimizer.built:
                 # Made again here, inside the strategy's scope, whatever scope
@@ -116,6 +146,11 @@ class LocalSync:
                 for v in variables
             ]
             self.outer_optimizer.build(self._variables)
+
+    @property
+    def weights(self) -> list:
+        """The variables it synchronises (the wrapper's trainable variables; empty until built)."""
+        return list(self._variables)
 
     @property
     def outer_variables(self) -> list:
@@ -145,11 +180,18 @@ class LocalSync:
         # MultiWorkerMirroredStrategy tf.convert_to_tensor of the variables
         # gives tensors with no device, which the all-reduce refuses
         # ("destinations can not be empty").
-        return [tf.identity(v) for v in self._variables]
+        values = [tf.identity(v) for v in self._variables]
+        if self._stop is not None:  # this replica's request to stop, as 0.0 or 1.0
+            values.append(tf.reshape(tf.cast(self._stop(), tf.float32), [1]))
+        return values
 
     def _sync(self, values):
         context = tf.distribute.get_replica_context()
         sums = reduction.all_reduce_sum(context, values)  # one batched, exact collective
+        if self._stop is not None:
+            *sums, requests = sums
+            # Equal on every replica: every worker stops after this same step.
+            self.stopped.assign(tf.maximum(self.stopped, tf.cast(requests[0] > 0.0, tf.int64)))
         means = [s / tf.cast(context.num_replicas_in_sync, s.dtype) for s in sums]
         if self.outer_optimizer is None:
             for variable, mean in zip(self._variables, means):

@@ -7,7 +7,9 @@ all-reduce per global batch (`tfdp.training.accumulation`), non-finite steps
 skipped on every replica alike (`tfdp.training.nonfinite`), and with
 `steps_per_execution > 1` logs reduced once per execution
 (`tfdp._upstream.keras_train_function`). Its `fit` keeps full garbage
-collections from stalling the workers (`tfdp.training.gc_freeze`).
+collections from stalling the workers (`tfdp.training.gc_freeze`), and
+refuses or warns about Keras' own savers where they cannot keep per-replica
+state (`tfdp.training.keras_savers`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import gc_freeze
+from tfdp.training import keras_savers
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import metric_reads
 from tfdp.training import nonfinite as nonfinite_lib
@@ -155,7 +158,9 @@ def compile(  # pylint: disable=redefined-builtin
     slots and `model.optimizer.iterations` unchanged, and counted in
     `model.optimizer.skipped_steps` (checkpointed with the optimizer). After
     `max_consecutive_nonfinite` in a row, `fit` raises
-    `tfdp.training.nonfinite.NonFiniteError`. `"raise"` raises at the first (never
+    `tfdp.training.nonfinite.NonFiniteError` (with local steps, where each
+    replica skips on its own, on every worker after the synchronisation that
+    carried the stop). `"raise"` raises at the first (never
     applying it); `None` keeps Keras' behaviour (under `mixed_float16`:
     overflowing steps skipped as Keras' loss scaling does, with no limit, and
     counted in `skipped_steps`). Keras still logs the loss of
@@ -197,7 +202,12 @@ def compile(  # pylint: disable=redefined-builtin
             the replicas' weights are averaged every `sync_every` optimizer
             steps and at the end of every epoch (one all-reduce of the
             weights; `tfdp.distribute.local_sync`). Evaluation and
-            checkpoints at epoch ends see the synchronised weights.
+            checkpoints at epoch ends see the synchronised weights;
+            `tfdp.callbacks.BackupAndRestore(save_freq=<steps>)` saves every
+            replica's weights mid-window without synchronising them (the
+            trajectory is that of a run without saves), and Keras'
+            `ModelCheckpoint` / `BackupAndRestore` with `save_freq=<steps>`
+            are refused (`tfdp.training.keras_savers`).
             Defaults to 1: synchronous training.
         outer_optimizer: `None` (default), or a Keras optimizer for
             DiLoCo's outer step at each synchronisation (e.g.
@@ -313,6 +323,9 @@ def compile(  # pylint: disable=redefined-builtin
         # fit's validation passes share one distributed iterator where exact.
         model.evaluate = functools.partial(_evaluate_keeping_validation_iterator, model,
                                            model.evaluate)
+    if keras_savers.has_state_they_lose(model.optimizer, model.distribute_strategy):
+        # Keras' savers beside per-replica state: refused or warned about, by name.
+        model.fit = functools.partial(_fit_checking_savers, model, model.fit)
     # Full garbage collections would stall every worker in turn (see gc_freeze).
     model.fit = functools.partial(gc_freeze.fit_with_frozen_heap, model.fit)
     for name in gc_freeze.CALL_METHODS:
@@ -327,3 +340,10 @@ def compile(  # pylint: disable=redefined-builtin
     model.tfdp_accum_steps = accum_steps
     model.tfdp_loss_normalization = loss_normalization
     return model
+
+
+def _fit_checking_savers(model, fit, *args, callbacks=None, **kwargs):
+    """`fit`, after `keras_savers.check_fit_callbacks` looked at its callbacks."""
+    keras_savers.check_fit_callbacks(
+        model.optimizer, callbacks, num_replicas=model.distribute_strategy.num_replicas_in_sync)
+    return fit(*args, callbacks=callbacks, **kwargs)

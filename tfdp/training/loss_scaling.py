@@ -80,6 +80,10 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         self.exchange.build_inner(var_list)
         super().build(var_list)
 
+    def verdict_variables(self) -> list:
+        """The counters, and the loss scale and its growth counter, which skips change."""
+        return super().verdict_variables() + [self.dynamic_scale, self.step_counter]
+
     def gradient_scale(self):
         """The loss scale: exchanges that keep memories (compressors) hold unscaled gradients."""
         return self.dynamic_scale
@@ -109,7 +113,7 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         self.consecutive_skipped_steps.assign(0)
 
     def _skip(self):
-        live = tf.logical_not(self._exhausted())
+        live = tf.logical_not(self.exhausted())
         self._count_skip(self.dynamic_scale <= 1.0)
         self.step_counter.assign(0)
         self.dynamic_scale.assign(

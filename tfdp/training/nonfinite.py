@@ -16,6 +16,9 @@ strategy:
   replica context under MirroredStrategy (keras-team/keras#20582). A
   non-finite *loss* is folded into one gradient by `fold_loss_into_gradients`
   (tfdp's own train steps do this), so it is caught by the same check.
+  With local steps (`sync_every`, `tfdp.distribute.local_sync`) nothing is
+  all-reduced per step: each replica decides on its own gradients, and the
+  limit below is agreed at the next synchronisation instead.
 - **counting**: a skipped step leaves the weights, the optimizer slots and
   `optimizer.iterations` unchanged (so learning-rate schedules and
   `iterations` count applied updates only) and adds one to the wrapper's

@@ -41,6 +41,7 @@ from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import optimizer_sharding
 from tfdp.distribute import shard_layout
 from tfdp.training import exchanges
+from tfdp.training import keras_savers
 from tfdp.training import verdict as verdict_lib
 
 
@@ -104,11 +105,18 @@ class OptimizerStep(verdict_lib.Counters):
         """Builds the exchange's per-replica state; tracks what it asks to be tracked."""
         exchange = self.exchange
         exchange.build(var_list)
+        # Built in the strategy's scope: what model.save's warning needs later.
+        self._built_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         for name, value in exchange.tracked_objects.items():
             setattr(self, name, value)
 
     def save_own_variables(self, store):
-        """As Keras' (what `model.save()` writes); the exchange may lay its state out (ZeRO-1)."""
+        """As Keras' (what `model.save()` writes); the exchange may lay its state out (ZeRO-1).
+
+        Per-replica state it cannot keep (`Exchange.lost_by_keras_saves`) is
+        warned about, once (`tfdp.training.keras_savers`).
+        """
+        keras_savers.warn_model_save(self, num_replicas=getattr(self, "_built_replicas", 1))
         self.exchange.save_own_variables(store, super().save_own_variables)
 
     def load_own_variables(self, store):
@@ -182,7 +190,7 @@ class OptimizerStep(verdict_lib.Counters):
         if step.divisor is not None:
             divisor = tf.math.maximum(step.divisor[0], 1e-30)
             step = step.replace(gradients=[divide(g, divisor) for g in step.gradients])
-        proceed = tf.logical_and(verdict_lib.verdict(step), tf.logical_not(self._exhausted()))
+        proceed = tf.logical_and(verdict_lib.verdict(step), tf.logical_not(self.exhausted()))
         step = exchange.settle(step, proceed)
         self._apply_or_skip(step, proceed)
         exchange.finish(context)

@@ -8,8 +8,9 @@ replica keeps of its own:
   Q; `tfdp.distribute.compression`), which differ per replica;
 - with local steps (`sync_every`, `tfdp.distribute.local_sync`), the inner
   optimizer's slots (momentum, Adam's moments), which every replica updates
-  with its own gradients. The weights need nothing: a checkpoint ends a
-  window, so they are synchronised when saved;
+  with its own gradients, and the weights, which differ inside a window: a
+  checkpoint does not synchronise them (that would end the window and change
+  the trajectory), it saves every replica's copy;
 - with sharded optimizer state (`shard_optimizer_state=True`,
   `tfdp.distribute.optimizer_sharding`), the inner optimizer's slots: each
   replica's hold its own chunk of every variable.

@@ -6,7 +6,9 @@ loop calls after each `tf.function` call (`install_fit_check` does it for
 `model.fit`), logs new skips and raises `NonFiniteError` after
 `max_consecutive_nonfinite` skips in a row, naming the steps and the usual
 fixes (every worker reads the same counters and so raises at the same
-point); `check_finite_before_save` refuses to save non-finite weights (which
+point; under local steps, where each replica skips on its own, it raises on
+the stop the workers agreed at a synchronisation,
+`tfdp.distribute.local_sync`); `check_finite_before_save` refuses to save non-finite weights (which
 can still arise from finite gradients that overflow a weight, or with
 `nonfinite=None`). Whether a step is skipped is the wrappers' decision.
 """
@@ -81,26 +83,30 @@ class StepMonitor:
         self._last_skipped: int | None = None
         self._read_counters = None
 
-    def _read(self) -> tuple[int, int, int]:
-        """`(skipped_steps, consecutive_skipped_steps, iterations)`, in one call and one copy.
+    def _read(self) -> tuple[int, int, int, int | None]:
+        """`(skipped_steps, consecutive_skipped_steps, iterations, stopped)`, in one call and one copy.
 
         Runs after every training call: one `tf.function` (traced once)
-        reads the three int64 scalars into one tensor, where three eager
-        reads of the (mirrored) variables took about 2.5 times as long.
-        The counters are equal on every replica; reading them holds no
-        collective.
+        reads the int64 scalars into one tensor, where eager reads of the
+        (mirrored) variables took about 2.5 times as long. The counters are
+        equal on every replica (under local steps, on every replica of this
+        worker); reading them holds no collective. `stopped` is the
+        exchange's agreed stop (`Exchange.stop_variable`), or None.
         """
         guard = self._guard
         if not guard.built:  # fit builds it in its first step
-            return 0, 0, 0
+            return 0, 0, 0, None
         if self._read_counters is None:
-            counters = (guard.skipped_steps, guard.consecutive_skipped_steps, guard.iterations)
+            counters = [guard.skipped_steps, guard.consecutive_skipped_steps, guard.iterations]
+            stop = guard.exchange.stop_variable
+            if stop is not None:
+                counters.append(stop)
             self._read_counters = tf.function(
                 lambda: tf.stack([tf.cast(tf.convert_to_tensor(c), tf.int64) for c in counters]),
                 autograph=False,
             )
-        skipped, consecutive, iterations = self._read_counters().numpy().tolist()
-        return skipped, consecutive, iterations
+        values = self._read_counters().numpy().tolist()
+        return (*values[:3], values[3] if len(values) > 3 else None)
 
     def prime(self) -> None:
         """Takes the current counts as the baseline for `check`'s log lines."""
@@ -117,7 +123,7 @@ class StepMonitor:
             NonFiniteError: `max_consecutive_nonfinite` steps in a row were
                 skipped.
         """
-        skipped, consecutive, iterations = self._read()
+        skipped, consecutive, iterations, stopped = self._read()
         step = iterations + skipped
         if self._last_skipped is None:
             self._last_skipped = skipped
@@ -130,6 +136,22 @@ class StepMonitor:
             )
         self._last_skipped = skipped
         limit = self._guard.max_consecutive_nonfinite
+        if stopped is not None:
+            # Local steps: each replica skips on its own; raise only once every
+            # worker knows (at a synchronisation), never alone.
+            if stopped:
+                raise NonFiniteError(
+                    f"{self._owner}: a replica had {limit} training steps in a row with a "
+                    f"non-finite (NaN or Inf) loss or gradient, reaching "
+                    f"max_consecutive_nonfinite={limit}, and training stopped on every worker "
+                    f"at the next synchronisation of the weights. With local steps "
+                    f"(sync_every) each replica skips its own non-finite steps, and applies "
+                    f"none after the limit (this worker: {skipped} skipped in all, "
+                    f"{consecutive} in a row, {iterations} applied); the request to stop rides "
+                    f"in the synchronisation's all-reduce, so every worker stopped after the "
+                    f"same step. The weights are those of that synchronisation; no checkpoint "
+                    f"with non-finite weights was written. {_FIXES}")
+            return step
         if consecutive >= limit:
             first = step - consecutive + 1
             raise NonFiniteError(

@@ -21,15 +21,29 @@ import functools
 
 import keras
 
+from tfdp.training import step_monitor
 from tfdp.training.callback_order import with_callback_first
+from tfdp.training.nonfinite import guard_of
 
 
 class SyncAtEpochEnd(keras.callbacks.Callback):
-    """Synchronises the replicas' weights after the last batch of each epoch and at the end of `fit`."""
+    """Synchronises the replicas' weights after the last batch of each epoch and at the end of `fit`.
+
+    After each synchronisation it raises `NonFiniteError` if the workers
+    agreed there to stop (a replica reached `max_consecutive_nonfinite`;
+    `tfdp.training.step_monitor`), on every worker alike.
+    """
 
     def __init__(self, optimizer):
         super().__init__()
         self._optimizer = optimizer
+        guard = guard_of(optimizer)
+        self._monitor = guard and step_monitor.StepMonitor(guard, owner="tfdp fit", log=False)
+
+    def _sync(self):
+        self._optimizer.sync_pending()
+        if self._monitor is not None:
+            self._monitor.check()
 
     def on_train_batch_end(self, batch, logs=None):
         # Validation does not need it (fit validates through model.evaluate,
@@ -43,13 +57,13 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         # would race the next train step.
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:
-            self._optimizer.sync_pending()
+            self._sync()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._optimizer.sync_pending()
+        self._sync()
 
     def on_train_end(self, logs=None):
-        self._optimizer.sync_pending()
+        self._sync()
 
 
 def _fit(model, *args, callbacks=None, **kwargs):

@@ -98,7 +98,11 @@ class Trainer:
     scale) as Keras' loss scaling does, with no limit, and counted. In every
     mode a checkpoint whose weights are not finite is never written (`train`
     raises `NonFiniteError` instead). The decision costs no collective (see
-    `tfdp.training.nonfinite`).
+    `tfdp.training.nonfinite`). With local steps (`sync_every`) there is no
+    per-step collective: each replica skips its own non-finite steps, and a
+    replica at the limit stops everyone at the next synchronisation, where
+    every worker raises the same `NonFiniteError`
+    (`tfdp.distribute.local_sync`).
 
     Args:
         model: a built Keras model whose variables were created in
@@ -160,9 +164,12 @@ class Trainer:
         sync_every: with more than 1, local SGD: each replica applies its
             own gradients (its loss normalised by its own counts) with no
             gradient all-reduce, and the replicas' weights are averaged every
-            `sync_every` steps, at the end of every epoch, before every
-            checkpoint and evaluation, and at the end of `train`
-            (`tfdp.distribute.local_sync`). Defaults to 1: synchronous.
+            `sync_every` steps, at the end of every epoch, before
+            evaluation, and at the end of `train`
+            (`tfdp.distribute.local_sync`). A checkpoint does not
+            synchronise: it saves every replica's weights and slots
+            (`tfdp.training.replica_state`), so checkpoints never change the
+            trajectory. Defaults to 1: synchronous.
         outer_optimizer: `None` (default), or a Keras optimizer for
             DiLoCo's outer step at each synchronisation (e.g.
             `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
@@ -622,7 +629,7 @@ class Trainer:
         """
         # As in train: a full garbage collection on one worker stalls the others.
         with gc_freeze.FrozenHeap():
-            self._sync_pending()
+            self._sync_pending(training=False)
             self._reset(self._steps.eval_loss, *self._steps.eval_metrics)
             if isinstance(dataset, tf.data.Dataset):
                 dataset = self.strategy.experimental_distribute_dataset(dataset)
@@ -711,16 +718,26 @@ class Trainer:
         self._checkpoints.restore_replica_state_again()  # the handler restored the chief's
         return self._watcher
 
-    def _sync_pending(self) -> None:
-        """With local steps (sync_every, outer_optimizer), synchronises the weights if they differ."""
+    def _sync_pending(self, *, training: bool = True) -> None:
+        """With local steps (sync_every, outer_optimizer), synchronises the weights if they differ.
+
+        Raises:
+            NonFiniteError: while `training`, the workers agreed at this
+                synchronisation to stop (a replica reached
+                `max_consecutive_nonfinite`).
+        """
         if self._guard is not None:
             self._guard.sync_pending()
+            if training and self._guard.steps_locally:
+                self._monitor.check()
 
     def _save(self, step: int):
         """Saves the checkpoint of `step` (a collective: every worker calls it)."""
         if self._checkpoints is None or step == self._last_saved_step:
             return  # no model_dir (checkpoint_every alone saves nothing), or saved
-        self._sync_pending()  # a checkpoint holds synchronised weights
+        # No synchronisation first (local steps): every worker's replicas save
+        # their own weights (tfdp.training.replica_state), so a save does not
+        # end a window and the trajectory is that of a run without saves.
         # Every worker holds the same weights, so all refuse alike.
         step_monitor.check_finite_before_save(
             [*self.model.weights, *self.optimizer.variables], step=step,

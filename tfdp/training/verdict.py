@@ -151,13 +151,22 @@ class Counters:
             name="consecutive_skipped_steps",
         )
 
-    def _exhausted(self) -> tf.Tensor:
+    def verdict_variables(self) -> list:
+        """The wrapper's own variables each replica updates from its verdicts: the counters.
+
+        Equal on every replica when the verdict is (one all-reduced sum); under
+        local steps each replica's own, so saved per replica
+        (`tfdp.training.exchanges.local_steps`).
+        """
+        return [self.skipped_steps, self.consecutive_skipped_steps]
+
+    def exhausted(self) -> tf.Tensor:
         """Bool scalar: `max_consecutive_nonfinite` steps in a row were skipped; apply nothing more."""
         return self.consecutive_skipped_steps >= self.max_consecutive_nonfinite
 
     def _count_skip(self, counts_in_a_row) -> None:
         """Counts a skipped step (unless exhausted); in a row only where `counts_in_a_row`."""
-        live = tf.logical_not(self._exhausted())
+        live = tf.logical_not(self.exhausted())
         self.skipped_steps.assign_add(tf.cast(live, "int64"))
         self.consecutive_skipped_steps.assign_add(
             tf.cast(tf.logical_and(live, counts_in_a_row), "int64")

@@ -37,7 +37,6 @@ from tfdp import _checks
 from tfdp.training import batch as batch_lib
 from tfdp.training import checkpointing
 from tfdp.training import input_position
-from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_state
 from tfdp.training import step_monitor
 from tfdp.distribute import preemption
@@ -503,9 +502,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Saves the current state (a collective: every worker must call it)."""
         if self._step == self._last_saved_step:  # nothing new (or just restored)
             return
-        guard = nonfinite_lib.guard_of(self.model.optimizer)
-        if guard is not None:
-            guard.sync_pending()  # local steps (sync_every): a checkpoint ends a window
+        # No synchronisation first under local steps (sync_every): each
+        # worker's replicas save their own weights (tfdp.training.replica_state),
+        # so a save does not end a window nor change the trajectory.
         values = {
             "epoch": self._epoch,
             "batch": self._batch,

@@ -93,6 +93,10 @@ class Exchange:
             reads them from.
         state_repartitions: whether that state can be cut again for another
             number of replicas (ZeRO-1's chunks can; error memories cannot).
+        lost_by_keras_saves: what of that state Keras' own savers
+            (`model.save`, `keras.callbacks.ModelCheckpoint`,
+            `keras.callbacks.BackupAndRestore`) do not keep, for a warning
+            (`tfdp.training.keras_savers`); `None` when they keep it all.
         accepts_global_divisor: whether a `Step.divisor` may be given.
         scatterable: whether a sharded exchange may reduce-scatter instead
             of calling this exchange (only for a plain, lossless sum).
@@ -112,6 +116,21 @@ class Exchange:
     @property
     def state_variables(self) -> list:
         return []
+
+    @property
+    def lost_by_keras_saves(self) -> str | None:
+        return None
+
+    @property
+    def stop_variable(self):
+        """`None`, or an int64 variable equal on every replica that is 1 once training must stop.
+
+        For an exchange whose replicas decide their skips each on its own
+        (local steps): the non-finite guard's limit reached on any replica,
+        agreed at a synchronisation. The loops raise on it
+        (`tfdp.training.step_monitor`) instead of on the per-replica counters.
+        """
+        return None
 
     @property
     def extra_optimizer_variables(self) -> list:

@@ -50,6 +50,11 @@ class Compressed(base.Exchange):
     def state_variables(self) -> list:
         return list(self.compressor.state)
 
+    @property
+    def lost_by_keras_saves(self) -> str:
+        return ("each replica's error-feedback memories of the gradient compressor "
+                "(and PowerSGD's warm-start Q)")
+
     def build(self, variables: list) -> None:
         self.compressor.build(variables)
 

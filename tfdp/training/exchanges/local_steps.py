@@ -6,12 +6,17 @@ the weights a window starts from. `finish` counts the step and, after
 `sync_every` of them, averages the weights (local SGD) or takes DiLoCo's
 outer step, in one exact float32 all-reduce (`tfdp.distribute.local_sync`,
 which owns the synchronisation). `sync_pending` synchronises a window cut
-short (ends of epochs, evaluation, saves).
+short (ends of epochs, evaluation, the end of training); a checkpoint does
+not cut it.
 
-Per-replica state: the inner optimizer's slots, which every replica updates
-with its own gradients and which cannot be re-cut for another number of
-replicas. The counter, DiLoCo's anchors and its outer optimizer's slots are
-equal on every replica and are the wrapper's own variables.
+Per-replica state: the inner optimizer's slots (and its `iterations`),
+which every replica updates with its own gradients, the weights themselves,
+which differ inside a window, and the non-finite guard's skip counters and
+loss scale (each replica skips on its own): a checkpoint saves every replica's copy
+instead of synchronising first, so saving never changes the trajectory.
+None of it can be re-cut for another number of replicas. The counter, DiLoCo's anchors and its outer
+optimizer's slots are equal on every replica and are the wrapper's own
+variables.
 """
 
 from __future__ import annotations
@@ -37,7 +42,16 @@ class LocalSteps(base.Exchange):
 
     @property
     def state_variables(self) -> list:
-        return list(self.optimizer.inner_optimizer.variables)
+        # The skip counters and loss scale too: each replica skips its own
+        # non-finite steps, so they (and the inner optimizer's iterations, in
+        # its variables) may differ from the others'.
+        return (list(self.optimizer.inner_optimizer.variables) + self.local_sync.weights
+                + self.optimizer.verdict_variables())
+
+    @property
+    def lost_by_keras_saves(self) -> str:
+        return ("each replica's own inner optimizer slots (and, inside a window of "
+                "sync_every steps, its own weights)")
 
     @property
     def extra_optimizer_variables(self) -> list:
@@ -50,8 +64,13 @@ class LocalSteps(base.Exchange):
         outer = self.local_sync.outer_optimizer
         return {} if outer is None else {"outer_optimizer": outer}
 
+    @property
+    def stop_variable(self):
+        return self.local_sync.stopped
+
     def build(self, variables: list) -> None:
-        self.local_sync.build(self.optimizer, variables)
+        # The guard's limit is per replica here: the synchronisation agrees on it.
+        self.local_sync.build(self.optimizer, variables, stop=self.optimizer.exhausted)
 
     def exchange(self, step: base.Step) -> base.Step:
         self.local_sync.before_step()

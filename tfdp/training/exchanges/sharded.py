@@ -63,6 +63,10 @@ class Sharded(base.Exchange):
         return self.inner.state_repartitions
 
     @property
+    def lost_by_keras_saves(self) -> str | None:
+        return self.inner.lost_by_keras_saves  # the slots: laid out by save_own_variables
+
+    @property
     def accepts_global_divisor(self) -> bool:
         return self.inner.accepts_global_divisor
 
