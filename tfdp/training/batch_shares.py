@@ -27,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import numbers
 from typing import Sequence
+
+from tfdp import _checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +49,11 @@ class SharePlan:
 
     def __post_init__(self):
         shares = tuple(self.shares)
-        if not shares or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+        if not shares or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                              for s in shares):
             raise ValueError(f"`shares` must be a non-empty sequence of positive integers, one "
                              f"per worker. Received: shares={self.shares!r}")
-        object.__setattr__(self, "shares", shares)
+        object.__setattr__(self, "shares", tuple(int(s) for s in shares))
 
     @property
     def global_batch(self) -> int:
@@ -123,8 +126,7 @@ def plan_shares(global_batch: int, seconds_per_example: Sequence[float], *,
 def _check_sizes(global_batch, num_workers, minimum_share) -> None:
     for name, value in (("global_batch", global_batch), ("num_workers", num_workers),
                         ("minimum_share", minimum_share)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+        _checks.check_int(name, value)
     if global_batch < minimum_share * num_workers:
         raise ValueError(
             f"A global batch of {global_batch} cannot give each of {num_workers} workers "
@@ -154,9 +156,7 @@ class SharePlanner:
     def __init__(self, *, global_batch: int, num_workers: int, replan_every: int = 20,
                  smoothing: float = 0.3, min_gain: float = 0.05, minimum_share: int = 1):
         _check_sizes(global_batch, num_workers, minimum_share)
-        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
-            raise ValueError(f"`replan_every` must be a positive integer. "
-                             f"Received: replan_every={replan_every!r}")
+        _checks.check_int("replan_every", replan_every)
         if not 0 < smoothing <= 1:
             raise ValueError(f"`smoothing` must be in (0, 1]. Received: smoothing={smoothing!r}")
         if not 0 <= min_gain < 1:
