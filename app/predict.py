@@ -204,8 +204,9 @@ def main(argv: Sequence[str]) -> None:
         print(f"tfdp-predict: error: {error}", file=sys.stderr)
         sys.exit(2)
     except startup.StartupError as error:
+        # 44 when this worker's own port was taken (the launcher retries it), else 1.
         print(f"tfdp-predict: error: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(error.exit_code)
     except peer_failures.PeerFailureError as error:
         # 43 for a lost peer (schedulers retry it), 1 for a stuck one.
         print(f"tfdp-predict: error: {error}", file=sys.stderr)

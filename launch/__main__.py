@@ -56,8 +56,10 @@ stopped and started again (fresh free ports, or the same fixed ones), up to K
 times, with TFDP_RESTART_COUNT=1, 2, ...; a program that checkpoints
 (tfdp.Trainer with a model_dir) resumes from its latest checkpoint. A signal to
 the launcher never restarts. Without --port, when a worker fails because
-another process took its free port after the launcher picked it, the group is
-started again with new ports (up to 3 times, not counted as restarts). When
+another process took its free port after the launcher picked it (tfdp-train
+and tfdp-predict exit 44 for that; for other programs the port is still held),
+the group is started again with new ports (up to 3 times, not counted as
+restarts). When
 no restart is left, the failing worker's last 20 lines of stdout and of stderr
 are repeated on stderr. On several nodes, give every node the same
 --max_restarts.

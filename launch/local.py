@@ -426,19 +426,27 @@ def _wait_for_free_ports(ports: Sequence[int], *, timeout: float,
         time.sleep(0.1)
 
 
-def port_collision(plan: LocalLaunchPlan) -> str | None:
-    """After a failed attempt of `plan` (every worker stopped): a port another process holds.
+def port_collision(plan: LocalLaunchPlan, returncode: int) -> str | None:
+    """After a failed attempt of `plan` (every worker stopped): a port another process took.
 
     Only free ports the launcher picked itself count (not `--port` or
-    `--hosts` ones, which the user chose): one of them still in use once the
-    workers are gone was taken by another process between the launcher's
-    choice and the worker's bind.
+    `--hosts` ones, which the user chose). A port counts as taken when the
+    failing worker exited with `PORT_IN_USE_EXIT_CODE` (tfdp's programs do
+    when their own port is taken at start-up: the other process may be gone
+    by now, e.g. a short-lived connection), or when one of the ports is still
+    held now that the workers are gone.
+
+    Args:
+        plan: the attempt that failed.
+        returncode: the failing worker's return code (negative: a signal).
 
     Returns:
-        A description of the first such port, or None.
+        A description of the collision, or None.
     """
     if plan.fixed_ports:
         return None
+    if returncode == local_cluster.PORT_IN_USE_EXIT_CODE:
+        return "its own port was taken by another process after the launcher picked it"
     for rank, port in enumerate(plan.ports):
         reason = port_in_use(port)
         if reason is not None:

@@ -10,9 +10,11 @@ SIGTERM) stops the workers and never leads to a restart.
 
 Port collisions. The launcher picks free ports, then the workers bind them: in
 between, another process can take one (check-then-use). When an attempt fails
-and the `port_collision` callable finds one of its ports held by another
-process once every worker is stopped, the attempt is run again with new ports,
-up to `MAX_PORT_RETRIES` times; that retry does not count as a restart.
+and the `port_collision` callable says a port was taken (the failing worker
+exited with `PORT_IN_USE_EXIT_CODE`, or one of the ports is still held by
+another process once every worker is stopped), the attempt is run again with
+new ports, up to `MAX_PORT_RETRIES` times; that retry does not count as a
+restart.
 
 What a restart changes is not decided here: the `replan` callable builds the
 next attempt (`tfdp.launch.local.restart_plan`: fresh environments with
@@ -100,7 +102,7 @@ def run_with_restarts(
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
     tail_lines: int = DEFAULT_TAIL_LINES,
-    port_collision: Callable[[Plan], str | None] | None = None,
+    port_collision: Callable[[Plan, int], str | None] | None = None,
     max_port_retries: int = MAX_PORT_RETRIES,
 ) -> int:
     """Runs `plan`'s workers, restarting the whole group after a failure.
@@ -120,10 +122,11 @@ def run_with_restarts(
             Defaults to `sys.stderr.buffer`.
         tail_lines: lines of the failing worker's stdout, and of its stderr,
             repeated at the end. Defaults to `DEFAULT_TAIL_LINES` (20).
-        port_collision: `(plan) -> str | None`, called after a failed attempt
-            (every worker stopped): a description when one of its ports is
-            held by another process and the attempt should run again with
-            new ports (`replan` with the same restart count), else None.
+        port_collision: `(plan, returncode) -> str | None`, called after a
+            failed attempt (every worker stopped) with the failing worker's
+            return code: a description when one of its ports was taken by
+            another process and the attempt should run again with new ports
+            (`replan` with the same restart count), else None.
             Defaults to None (no such retry).
         max_port_retries: port-collision retries over the whole launch.
             Defaults to `MAX_PORT_RETRIES`.
@@ -166,7 +169,8 @@ def run_with_restarts(
                 return result.exit_code
             failure = result.failure
             what = f"worker {failure.rank} {describe_returncode(failure.returncode)}"
-            collision = None if port_collision is None else port_collision(plan)
+            collision = None if port_collision is None else port_collision(
+                plan, failure.returncode)
             if collision and port_retries < max_port_retries and signals.first is None:
                 port_retries += 1
                 log(f"{what}; {collision}: running the attempt again with new ports "

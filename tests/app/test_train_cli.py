@@ -157,3 +157,22 @@ def test_helpfull_lists_the_flags():
     assert result.returncode == 1  # absl's --helpfull prints the flags, then exits 1
     for flag in ("--accum_steps", "--global_batch", "--loop", "--lr_scaling", "--flagfile"):
         assert flag in result.stdout
+
+
+@pytest.mark.parametrize("error, code", [
+    ("PortInUseError", 44),  # the launcher reads 44 as a port collision and retries
+    ("StartupError", 1),
+])
+def test_startup_errors_exit_with_their_own_code(parse_flags, capsys, monkeypatch, error, code):
+    from tfdp.app import experiment
+    from tfdp.distribute import startup
+
+    def fail(*args, **kwargs):
+        raise getattr(startup, error)("This worker cannot listen on port 1234.")
+
+    monkeypatch.setattr(experiment, "train_and_evaluate", fail)
+    parse_flags("--dataset=digits")
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(["tfdp-train"])
+    assert exit_info.value.code == code
+    assert "tfdp-train: error: This worker cannot listen on port 1234." in capsys.readouterr().err

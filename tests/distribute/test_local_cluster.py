@@ -82,3 +82,40 @@ def test_free_ports_are_distinct_and_bindable():
 def test_free_ports_rejects_bad_count(n, error):
     with pytest.raises(error, match="`n` must be"):
         free_ports(n)
+
+
+def _ephemeral_range_file(tmp_path, monkeypatch, text):
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(text)
+    monkeypatch.setattr(local_cluster, "_EPHEMERAL_RANGE_FILE", str(path))
+
+
+def test_free_ports_are_picked_below_the_ephemeral_range(tmp_path, monkeypatch):
+    # Outgoing connections and bind(0) get ports from the ephemeral range: a port
+    # picked below it is not handed to another process by the kernel.
+    _ephemeral_range_file(tmp_path, monkeypatch, "18000\t60999\n")
+    assert local_cluster.ephemeral_port_range() == (18000, 60999)
+    ports = free_ports(6)
+    assert len(set(ports)) == 6
+    assert all(local_cluster.LOWEST_PICKED_PORT <= p < 18000 for p in ports), ports
+    assert all(local_cluster.port_in_use(p) is None for p in ports)
+
+
+def test_free_ports_ignore_a_seeded_random_module():
+    # Concurrent launches (pytest-xdist workers, a user's seeded script) must not pick
+    # the same ports because something seeded the shared generator.
+    import random
+
+    random.seed(0)
+    first = free_ports(4)
+    random.seed(0)
+    assert free_ports(4) != first
+
+
+def test_free_ports_leave_picking_to_the_kernel_when_little_is_below_the_range(
+        tmp_path, monkeypatch):
+    _ephemeral_range_file(tmp_path, monkeypatch, "15500 60999\n")
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(p >= 15500 for p in ports)
+    _ephemeral_range_file(tmp_path, monkeypatch, "not a range\n")
+    assert local_cluster.ephemeral_port_range() == (32768, 60999)

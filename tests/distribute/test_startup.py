@@ -64,8 +64,9 @@ def test_own_port_in_use_is_refused_naming_the_port_and_the_fix():
         holder.bind(("127.0.0.1", 0))  # taken on loopback only: TF binds all interfaces
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(startup.StartupError) as error:
+        with pytest.raises(startup.PortInUseError) as error:
             startup.check_own_port(_config(1, ports=(1234, port)))
+    assert error.value.exit_code == startup.PORT_IN_USE_EXIT_CODE == 44
     message = str(error.value)
     assert f"port {port}" in message and f"worker 1 (127.0.0.1:{port})" in message
     assert "in use" in message and "--port" in message
@@ -92,7 +93,7 @@ def test_this_host_named_twice_under_two_names_fails_on_the_second_worker():
 
 def test_tensorflows_grpc_server_error_becomes_the_port_message():
     config = _config(0, ports=(24680, 24681))
-    with pytest.raises(startup.StartupError, match="cannot listen on port 24680.*--port"):
+    with pytest.raises(startup.PortInUseError, match="cannot listen on port 24680.*--port"):
         with startup.explain_startup_failure(config, 5.0):
             raise tf.errors.UnknownError(None, None, "Could not start gRPC server")
 

@@ -486,3 +486,37 @@ def test_fixed_ports_and_other_failures_are_not_retried(tmp_path, pid_dir):
     code, _, err, _ = _run(tmp_path, pid_dir, "sys.exit(3)\n")
     assert code == 3
     assert "port retry" not in err
+
+
+_EXITS_44_ON_ITS_FIRST_PORTS = """
+marker = pathlib.Path(os.environ["PID_DIR"]) / "collided"
+if os.environ["TFDP_RANK"] == "1" and not marker.exists():
+    marker.write_text(os.environ["TF_CONFIG"])
+    # tfdp-train's exit when its port was taken by a process that is gone by now.
+    sys.exit(44)
+print("trained on", os.environ["TF_CONFIG"])
+"""
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["free_ports", "fixed_port"])
+def test_a_worker_exiting_44_is_a_port_collision_only_on_picked_ports(tmp_path, pid_dir, fixed):
+    script = write_worker_script(tmp_path, PRELUDE + "import pathlib\n"
+                                 + _EXITS_44_ON_ITS_FIRST_PORTS)
+    plan = local.plan_local([sys.executable, "-u", str(script)], nproc_per_node=2,
+                            port=free_port_pair() if fixed else None, grace_period=1.0,
+                            environ=dict(os.environ, PID_DIR=str(pid_dir)))
+    out, err = io.BytesIO(), io.BytesIO()
+    code = local.run_plan(plan, stdout=out, stderr=err)
+    err = err.getvalue().decode()
+    if fixed:  # the user's --port: nothing to pick again
+        assert code == 44 and "port retry" not in err, err
+        return
+    assert code == 0, err
+    assert ("worker 1 exited with code 44; its own port was taken by another process after "
+            "the launcher picked it: running the attempt again with new ports (port retry 1 "
+            "of 3, not a restart)") in err
+    first = json.loads((pid_dir / "collided").read_text())["cluster"]
+    trained = [json.loads(line.split("trained on ", 1)[1])["cluster"]
+               for line in out.getvalue().decode().splitlines() if "trained on" in line]
+    # Worker 0 may have finished the first attempt too; the last two ran on new ports.
+    assert trained[-2] == trained[-1] != first, (first, trained)

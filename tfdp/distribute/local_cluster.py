@@ -10,11 +10,19 @@ TensorFlow.
 from __future__ import annotations
 
 import errno
+import random
 import socket
 from typing import Any, Sequence
 
 from tfdp import _checks
 from tfdp.distribute import cluster as cluster_lib
+
+#: Exit code of tfdp's programs (`tfdp-train`, `tfdp-predict`) when this
+#: worker's own port is taken before TensorFlow could listen on it
+#: (`tfdp.distribute.startup.PortInUseError`). `tfdp-launch` reads it as a
+#: port collision and runs the attempt again with new ports when it picked
+#: them itself. 44, next to the lost-peer code 43.
+PORT_IN_USE_EXIT_CODE = 44
 
 
 def port_in_use(port: int) -> str | None:
@@ -49,12 +57,46 @@ def port_in_use(port: int) -> str | None:
     return None
 
 
+#: The lowest port `free_ports` picks: above the well-known service ports
+#: (databases, TensorBoard's 6006, Jupyter's 8888, ...).
+LOWEST_PICKED_PORT = 15000
+#: Linux's default ephemeral range, when `/proc` does not say.
+_DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+# Not the `random` module's shared generator: a test (or a user) seeding it
+# would make concurrent launches pick the same ports.
+_PICKER = random.SystemRandom()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports this machine hands out to outgoing connections and `bind(0)`.
+
+    Returns:
+        `(first, last)`, inclusive: Linux's `ip_local_port_range`, or its
+        default `(32768, 60999)` where that cannot be read.
+    """
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            first, last = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL_RANGE
+    return first, last
+
+
 def free_ports(n: int, *, host: str = "127.0.0.1") -> list[int]:
     """Returns `n` distinct TCP ports that are free on `host` right now.
 
-    All `n` sockets are bound at once (so the ports are distinct), then closed.
-    Another process may take a port between this call and its use; callers
-    that cannot tolerate that should retry on a bind error.
+    The ports are picked at random below the ephemeral range
+    (`ephemeral_port_range`, from `LOWEST_PICKED_PORT` up), where neither an
+    outgoing connection nor another program's `bind(0)` is handed a port by
+    the kernel, so a port picked here stays free until its worker listens on
+    it unless another process asks for that very port. Each is checked as
+    TensorFlow will bind it (`port_in_use`: all interfaces) and bound on
+    `host` while the others are picked. Where the machine's ephemeral range
+    leaves fewer than 1,000 ports below it, the kernel's `bind(0)` picks.
+    Another process may still take a port between this call and its use;
+    callers that cannot tolerate that should retry on a bind error
+    (`tfdp-launch` does: `PORT_IN_USE_EXIT_CODE`).
 
     Args:
         n: how many ports. Must be >= 1.
@@ -66,17 +108,40 @@ def free_ports(n: int, *, host: str = "127.0.0.1") -> list[int]:
     Raises:
         TypeError: if `n` is not an int.
         ValueError: if `n` < 1.
-        OSError: if `host` cannot be bound.
+        OSError: if `host` cannot be bound, or no `n` free ports were found.
     """
     _checks.check_int("n", n)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = host.strip("[]")
+    below = ephemeral_port_range()[0]
     sockets = []
     try:
-        for _ in range(n):
+        if below - LOWEST_PICKED_PORT < 1000:
+            for _ in range(n):
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind((address, 0))
+            return [sock.getsockname()[1] for sock in sockets]
+        ports: list[int] = []
+        for _ in range(100 * n):
+            if len(ports) == n:
+                break
+            port = _PICKER.randrange(LOWEST_PICKED_PORT, below)
+            if port in ports or port_in_use(port) is not None:
+                continue
             sock = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(sock)
-            sock.bind((host.strip("[]"), 0))
-        return [sock.getsockname()[1] for sock in sockets]
+            try:
+                sock.bind((address, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            ports.append(port)
+        if len(ports) < n:
+            raise OSError(errno.EADDRINUSE, f"found only {len(ports)} of {n} free ports in "
+                          f"[{LOWEST_PICKED_PORT}, {below}) after {100 * n} tries")
+        return ports
     finally:
         for sock in sockets:
             sock.close()

@@ -48,7 +48,28 @@ _FIX_PORT = (
 
 
 class StartupError(RuntimeError):
-    """The workers of a multi-worker job could not start together."""
+    """The workers of a multi-worker job could not start together.
+
+    Attributes:
+        exit_code: what tfdp's programs exit with for it: 1.
+    """
+
+    exit_code = 1
+
+
+class PortInUseError(StartupError):
+    """This worker's own port is taken: another process listens on it or holds it.
+
+    Attributes:
+        exit_code: `PORT_IN_USE_EXIT_CODE` (44), which `tfdp-launch` reads as a
+            port collision: an attempt on ports it picked runs again on new ones.
+    """
+
+    exit_code = local_cluster.PORT_IN_USE_EXIT_CODE
+
+
+#: Re-exported: the exit code of a `PortInUseError` (44).
+PORT_IN_USE_EXIT_CODE = local_cluster.PORT_IN_USE_EXIT_CODE
 
 
 # --- the start-up timeout ------------------------------------------------------
@@ -120,14 +141,14 @@ def check_own_port(config: cluster_lib.ClusterConfig | None) -> None:
             an evaluator (which starts no server) pass.
 
     Raises:
-        StartupError: naming the port, the task and the fix.
+        PortInUseError: naming the port, the task and the fix.
     """
     if config is None or config.task_type not in cluster_lib.TRAINING_TASK_TYPES:
         return
     port = own_port(config)
     reason = local_cluster.port_in_use(port)
     if reason is not None:
-        raise StartupError(_port_message(config, port, f"it is in use ({reason})"))
+        raise PortInUseError(_port_message(config, port, f"it is in use ({reason})"))
 
 
 def _port_message(config: cluster_lib.ClusterConfig, port: int, why: str) -> str:
@@ -214,6 +235,6 @@ def explain_startup_failure(
         port = None if config is None else own_port(config)
         if port is None or "Could not start gRPC server" not in str(error):
             raise
-        raise StartupError(_port_message(
+        raise PortInUseError(_port_message(
             config, port, "TensorFlow could not start its gRPC server there (the port was "
             "probably taken after tfdp checked it)")) from error
