@@ -77,3 +77,80 @@ def _fresh_keras_state():
     keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(1234)
     yield
+
+
+# --- stalls: long garbage collections, quick tests that hang -------------------
+#
+# CI saw tests that take a second take 70-120 s (a layout test inside
+# `ast.parse`, an optimizer test), with the process nearly idle. One
+# explanation: `_fresh_keras_state` skips Keras' `gc.collect()`, so garbage
+# cycles holding TensorFlow objects of earlier tests pile up until a full
+# collection, triggered by whatever test allocates next, runs their
+# finalizers, and one of those waits. To tell:
+# - every garbage collection of `_GC_REPORT_AFTER` seconds or more is
+#   reported as a warning naming the test it ran in;
+# - a test not marked `slow` (the developer tier: each took under a second)
+#   that runs `_QUICK_TEST_STACKS_AFTER` seconds has every thread's stack
+#   written out (faulthandler) into a warning.
+
+import faulthandler  # noqa: E402
+import gc  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+#: A collection at least this long (seconds) is reported.
+_GC_REPORT_AFTER = 1.0
+#: A test not marked `slow` still running after this many seconds has its threads' stacks dumped.
+_QUICK_TEST_STACKS_AFTER = 30.0
+
+
+class StallWarning(UserWarning):
+    """A long garbage collection, or a quick test that ran far longer than it should."""
+
+
+class _CollectionTimer:
+    """A `gc.callbacks` entry that records every collection of `_GC_REPORT_AFTER` s or more."""
+
+    def __init__(self):
+        self.started = None
+        self.stalls = []  # (seconds, generation, objects collected)
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.started is not None:
+            took, self.started = time.perf_counter() - self.started, None
+            if took >= _GC_REPORT_AFTER:
+                self.stalls.append((took, info["generation"], info["collected"]))
+
+
+_COLLECTION_TIMER = _CollectionTimer()
+gc.callbacks.append(_COLLECTION_TIMER)
+_STACKS = tempfile.TemporaryFile(mode="w+")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Reports `item`'s long garbage collections, and its threads' stacks if a quick test hung."""
+    del nextitem
+    _COLLECTION_TIMER.stalls.clear()
+    watched = item.get_closest_marker("slow") is None
+    if watched:
+        _STACKS.seek(0)
+        _STACKS.truncate()
+        faulthandler.dump_traceback_later(_QUICK_TEST_STACKS_AFTER, file=_STACKS)
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        if watched:
+            faulthandler.cancel_dump_traceback_later()
+    for took, generation, collected in _COLLECTION_TIMER.stalls:
+        item.warn(StallWarning(f"a generation-{generation} garbage collection took {took:.1f} s "
+                            f"({collected} objects collected) during {item.nodeid}"))
+    _COLLECTION_TIMER.stalls.clear()
+    took = time.perf_counter() - started
+    if watched and took >= _QUICK_TEST_STACKS_AFTER:
+        _STACKS.seek(0)
+        item.warn(StallWarning(f"{item.nodeid}, not marked slow, took {took:.0f} s; its "
+                            f"threads after {_QUICK_TEST_STACKS_AFTER:g} s:\n{_STACKS.read()}"))
