@@ -104,8 +104,10 @@ _GC_REPORT_AFTER = 1.0
 _QUICK_TEST_STACKS_AFTER = 30.0
 
 
-class StallWarning(UserWarning):
-    """A long garbage collection, or a quick test that ran far longer than it should."""
+def _warn_stall(item, message: str) -> None:
+    # A built-in category: pytest-xdist re-creates a worker's warning in the
+    # controller by importing its class, and a conftest's is not importable there.
+    item.warn(UserWarning(f"stall: {message}"))
 
 
 class _CollectionTimer:
@@ -146,11 +148,11 @@ def pytest_runtest_protocol(item, nextitem):
         if watched:
             faulthandler.cancel_dump_traceback_later()
     for took, generation, collected in _COLLECTION_TIMER.stalls:
-        item.warn(StallWarning(f"a generation-{generation} garbage collection took {took:.1f} s "
-                            f"({collected} objects collected) during {item.nodeid}"))
+        _warn_stall(item, f"a generation-{generation} garbage collection took {took:.1f} s "
+                          f"({collected} objects collected) during {item.nodeid}")
     _COLLECTION_TIMER.stalls.clear()
     took = time.perf_counter() - started
     if watched and took >= _QUICK_TEST_STACKS_AFTER:
         _STACKS.seek(0)
-        item.warn(StallWarning(f"{item.nodeid}, not marked slow, took {took:.0f} s; its "
-                            f"threads after {_QUICK_TEST_STACKS_AFTER:g} s:\n{_STACKS.read()}"))
+        _warn_stall(item, f"{item.nodeid}, not marked slow, took {took:.0f} s; its threads "
+                          f"after {_QUICK_TEST_STACKS_AFTER:g} s:\n{_STACKS.read()}")
