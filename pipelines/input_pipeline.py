@@ -415,22 +415,30 @@ class InputPipeline:
         order = self._seekable_order(plan, index, num_pipelines, residue, seed)
         first_start = start_batch * examples_per_step
 
+        # Graph ops only (no Python control flow on tensors): not converted by
+        # autograph, which took 1-3 s of every build of the stream (its
+        # functions and theirs transformed from source).
+        @tf.autograph.experimental.do_not_convert
         def one_epoch(epoch):
             start = tf.where(epoch == first_epoch, tf.constant(first_start, tf.int64),
                              tf.constant(0, tf.int64))
-            examples = self._apply_preprocess(order.epoch_dataset(epoch, start, stop))
-            batches = examples.batch(per_replica, drop_remainder=True,
-                                     num_parallel_calls=tf.data.AUTOTUNE,
-                                     deterministic=self.deterministic)
             # A miscount (a source whose metadata lies) fails at that epoch's
             # end instead of shifting every later epoch.
-            return batches.apply(tf.data.experimental.assert_cardinality(
-                (stop - start) // per_replica))
+            return order.epoch_dataset(epoch, start, stop).apply(
+                tf.data.experimental.assert_cardinality(stop - start))
 
         _checks.check_int("num_epochs", num_epochs, allow_none=True)
         last = 2**62 if num_epochs is None else first_epoch + num_epochs
-        return _prefetched_unsharded(  # see `build`
-            tf.data.Dataset.range(first_epoch, last).flat_map(one_epoch))
+        examples = tf.data.Dataset.range(first_epoch, last).flat_map(one_epoch)
+        # Preprocessed and batched outside the epochs' `flat_map`: `preprocess`
+        # is converted by autograph as in every other map (inside a function
+        # that is not, it would not be), and no batch spans two epochs, since
+        # every epoch holds whole batches (`stop` and `first_start` are
+        # multiples of `per_replica`).
+        batches = self._apply_preprocess(examples).batch(
+            per_replica, drop_remainder=True, num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=self.deterministic)
+        return _prefetched_unsharded(batches)  # see `build`
 
     def build(self, input_context: tf.distribute.InputContext, start_batch: int = 0
               ) -> tf.data.Dataset:
