@@ -67,12 +67,14 @@ def one_device():
     return reference.get_weights(), history["loss"]
 
 
-def balanced_fit(strategy, balance, *, epochs=2, data=None, build=model):
+def balanced_fit(strategy, balance, *, epochs=2, data=None, build=model, callbacks=(),
+                 **compile_kwargs):
     with strategy.scope():
         m = build()
         tfdp.compile(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9),
-                     loss=loss(), balance_batches=balance)
-    history = m.fit(dataset() if data is None else data, epochs=epochs, verbose=0).history
+                     loss=loss(), balance_batches=balance, **compile_kwargs)
+    history = m.fit(dataset() if data is None else data, epochs=epochs, verbose=0,
+                    callbacks=list(callbacks)).history
     return m, history["loss"]
 
 
@@ -96,6 +98,39 @@ def test_fixed_unequal_plan_equals_one_device(two_replicas):
     examples = balance.totals.numpy()[r:2 * r]
     assert tuple(examples) == (PLAN[0] * timed, PLAN[1] * timed)
     assert balance.totals.numpy()[2 * r] == timed
+
+
+class _ForcePlans(keras.callbacks.Callback):
+    """Assigns a different plan after every step, as a re-planning would (the results must not move)."""
+
+    PLANS = ((11, 5), (3, 13), (8, 8), (15, 1))
+
+    def __init__(self, model):
+        super().__init__()
+        self._model = model
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        plan = self.PLANS[self.steps % len(self.PLANS)]
+        self._model.tfdp_balanced_batches.plan.assign(plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_plans_changing_between_steps_equal_one_device(two_replicas, steps_per_execution):
+    """A new plan at every execution, 1 or 2 steps each: still one device's weights and losses."""
+    weights, losses = one_device()
+    with two_replicas.scope():
+        m = model()
+        tfdp.compile(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9), loss=loss(),
+                     steps_per_execution=steps_per_execution,
+                     balance_batches=balanced_batches.BalanceOptions(replan_every=None))
+    forcing = _ForcePlans(m)
+    history = m.fit(dataset(), epochs=2, verbose=0, callbacks=[forcing]).history
+    assert forcing.steps == 2 * STEPS // steps_per_execution
+    assert max_difference(m.get_weights(), weights) < 1e-5
+    np.testing.assert_allclose(history["loss"], losses, rtol=1e-5)
 
 
 @pytest.mark.slow
