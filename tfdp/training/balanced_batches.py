@@ -22,7 +22,8 @@ synchronous step (issue 35, item 2):
   `[2 × replicas]` vector (zeros elsewhere), ride in the gradients' own
   all-reduce (`OptimizerStep.carrying`): no collective of their own. Every
   replica adds the sums to the same accumulator.
-- **the re-planner** (`Replanner`, a Keras callback `fit` runs): every
+- **the re-planner** (`after_steps`, run between executions by `Replanner`,
+  a Keras callback `fit` runs, and by `tfdp.Trainer`'s loops): every
   `replan_every` steps, at the end of an execution of the train function, it
   reads the accumulated seconds and examples, feeds their ratio (seconds per
   example, over the window) to a `tfdp.training.batch_shares.SharePlanner`
@@ -156,7 +157,8 @@ class BalancedBatches:
                 aggregation=tf.VariableAggregation.NONE, name="balanced_batches_totals")
         self.planner: batch_shares.SharePlanner | None = None
         self.history: list[tuple[int, tuple[int, ...]]] = []
-        self.steps = 0  # steps run by fit, counted on the host
+        self.steps = 0  # steps run, counted on the host
+        self.begin()
 
     # --- inside the step (replica context) --------------------------------------
 
@@ -191,6 +193,41 @@ class BalancedBatches:
         self.totals.assign_add(tf.concat([sums, tf.ones([1])], 0))
 
     # --- between executions (host) -------------------------------------------
+
+    def begin(self) -> None:
+        """At the start of a training run: the next execution's timings are warm-up."""
+        self._warm = False
+        self._since = 0
+
+    def after_steps(self, steps: int, *, log: bool = False) -> batch_shares.SharePlan | None:
+        """After an execution of `steps` steps: re-plans once `replan_every` steps have run.
+
+        The first execution after `begin` only drops its timings (tracing and
+        warm-up are not a speed). Every worker calls it after the same steps,
+        so every worker re-plans at the same step.
+
+        Returns:
+            The new plan, or None.
+        """
+        self.steps += steps
+        if not self._warm:
+            self._warm = True
+            self.reset_timings()
+            return None
+        every = self.options.replan_every
+        if every is None:
+            return None
+        self._since += steps
+        if self._since < every:
+            return None
+        self._since = 0
+        before = tuple(int(s) for s in self.plan.numpy())
+        new = self.replan()
+        if new is not None and log:
+            logging.info("tfdp: balanced batches after step %d: shares %s -> %s (seconds per "
+                         "example %s)", self.steps, before, new.shares,
+                         [f"{c:.3g}" for c in self.planner.seconds_per_example])
+        return new
 
     def set_global_batch(self, global_batch: int | None) -> None:
         """Before training: equal shares of a known global batch (unless `shares` were given)."""
@@ -264,45 +301,23 @@ class Clock:
 
 
 class Replanner(keras.callbacks.Callback):
-    """Runs `BalancedBatches.replan` every `replan_every` steps of `fit`, between executions.
+    """`fit`'s hook: `BalancedBatches.begin` at the start, `after_steps` after each execution.
 
     The steps are counted on the host from the batch indices Keras passes, so
-    every worker plans after the same step. The first execution of each
-    `fit` only drops its timings (tracing and warm-up are not a speed).
+    every worker plans after the same step.
     """
 
     def __init__(self, balance: BalancedBatches, *, log: bool):
         super().__init__()
         self.balance = balance
         self.log = log
-        self._since = 0
-        self._warm = False
         self._begin = 0
 
     def on_train_begin(self, logs=None):
-        self._warm = False
-        self._since = 0
+        self.balance.begin()
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = batch
 
     def on_train_batch_end(self, batch, logs=None):
-        steps = batch - self._begin + 1
-        self.balance.steps += steps
-        if not self._warm:
-            self._warm = True
-            self.balance.reset_timings()
-            return
-        every = self.balance.options.replan_every
-        if every is None:
-            return
-        self._since += steps
-        if self._since < every:
-            return
-        self._since = 0
-        before = tuple(int(s) for s in self.balance.plan.numpy())
-        new = self.balance.replan()
-        if new is not None and self.log:
-            logging.info("tfdp: balanced batches after step %d: shares %s -> %s (seconds per "
-                         "example %s)", self.balance.steps, before, new.shares,
-                         [f"{c:.3g}" for c in self.balance.planner.seconds_per_example])
+        self.balance.after_steps(batch - self._begin + 1, log=self.log)
