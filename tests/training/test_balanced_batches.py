@@ -326,3 +326,59 @@ def test_does_nothing_on_one_replica():
                  balance_batches=True)
     assert m.tfdp_balanced_batches is None
     m.fit(X, Y, batch_size=GLOBAL_BATCH, verbose=0)  # arrays are fine: nothing is replicated
+
+
+# --- tfdp.Trainer ----------------------------------------------------------------
+
+def trainer(strategy, balance, **kwargs):
+    with strategy.scope():
+        m = model()
+        return tfdp.Trainer(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9),
+                            loss=loss(), strategy=strategy,
+                            batch=tfdp.BatchConfig.from_global(GLOBAL_BATCH, 2),
+                            balance_batches=balance, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps_per_loop", [1, 2])
+def test_trainer_with_a_fixed_unequal_plan_equals_one_device(two_replicas, steps_per_loop):
+    weights, losses = one_device()
+    t = trainer(two_replicas, balanced_batches.BalanceOptions(replan_every=None, shares=PLAN),
+                steps_per_loop=steps_per_loop)
+    logs = t.train(dataset(), epochs=2)
+    assert logs["steps"] == 2 * STEPS
+    assert max_difference(t.model.get_weights(), weights) < 1e-5
+    np.testing.assert_allclose(logs["loss"], losses[-1], rtol=1e-5)
+    balance = t.balanced_batches
+    timed = 2 * STEPS - steps_per_loop  # the first call's timings are dropped
+    np.testing.assert_array_equal(balance.totals.numpy()[2:],
+                                  [PLAN[0] * timed, PLAN[1] * timed, timed])
+
+
+@pytest.mark.slow
+def test_trainer_replans_on_a_real_slowdown(two_replicas):
+    rng = np.random.default_rng(1)
+    n = GLOBAL_BATCH * SLOW_STEPS
+    x = rng.normal(size=(n, SLOW_FEATURES)).astype("float32")
+    x[:, 0] = np.arange(n)
+    y = rng.integers(0, 4, n)
+    with two_replicas.scope():
+        m = slow_model()
+        t = tfdp.Trainer(m, optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss(),
+                         strategy=two_replicas, batch=tfdp.BatchConfig.from_global(GLOBAL_BATCH, 2),
+                         balance_batches=balanced_batches.BalanceOptions(replan_every=5))
+    t.train(dataset(x, y), epochs=1)
+    balance = t.balanced_batches
+    assert balance.history and balance.history[0][1][0] > balance.history[0][1][1], \
+        balance.history
+    np.testing.assert_array_equal(m.layers[0].seen.numpy(), np.ones(n))
+
+
+def test_trainer_refuses_by_name(two_replicas):
+    with two_replicas.scope():
+        m = model()
+        with pytest.raises(ValueError, match="^balance_batches=True cannot be combined with "
+                                             "sync_every=2: "):
+            tfdp.Trainer(m, optimizer=keras.optimizers.SGD(0.1), loss=loss(),
+                         strategy=two_replicas, batch=tfdp.BatchConfig.from_global(16, 2),
+                         balance_batches=True, sync_every=2)

@@ -101,6 +101,17 @@ def options_of(balance_batches) -> BalanceOptions | None:
         f"Received: balance_batches={_checks.echo(balance_batches)}")
 
 
+def check_loss_normalization(loss_normalization: str) -> None:
+    """Refuses `"per_replica"` loss normalisation, whose result would depend on the plan."""
+    if loss_normalization != "global":
+        raise ValueError(
+            "balance_batches=True cannot be combined with loss_normalization="
+            f"{loss_normalization!r}: each replica's own mean, averaged, weights the "
+            "examples of a small share more than those of a large one, so the result "
+            "would depend on the plan. Use loss_normalization='global' (the default) with "
+            "balance_batches, or balance_batches=False.")
+
+
 def slice_bounds(plan: tf.Tensor, examples: tf.Tensor) -> tf.Tensor:
     """int64 `[replicas + 1]`: where each replica's slice of a batch of `examples` starts and stops.
 

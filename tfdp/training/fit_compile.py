@@ -293,13 +293,8 @@ def compile(  # pylint: disable=redefined-builtin
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
     tfdp_steps = _check_model(model, loss_normalization, accum_steps, local_sync is not None)
-    if balancing and loss_normalization != norm_lib.GLOBAL:
-        raise ValueError(
-            "balance_batches=True cannot be combined with loss_normalization="
-            f"{loss_normalization!r}: each replica's own mean, averaged, weights the "
-            "examples of a small share more than those of a large one, so the result "
-            "would depend on the plan. Use loss_normalization='global' (the default) with "
-            "balance_batches, or balance_batches=False.")
+    if balancing:
+        balanced_batches.check_loss_normalization(loss_normalization)
     keras_loss_terms.warn_if_unsupported()
     if jit_compile:
         devices.check_jit_compile_supported(model.distribute_strategy)
