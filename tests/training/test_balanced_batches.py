@@ -382,3 +382,19 @@ def test_trainer_refuses_by_name(two_replicas):
             tfdp.Trainer(m, optimizer=keras.optimizers.SGD(0.1), loss=loss(),
                          strategy=two_replicas, batch=tfdp.BatchConfig.from_global(16, 2),
                          balance_batches=True, sync_every=2)
+
+
+@pytest.mark.slow
+def test_mixed_float16_with_a_fixed_unequal_plan_is_one_device_to_float16(two_replicas):
+    """The loss-scaling wrapper carries the timings too; the result is one device's, rounded."""
+    weights, losses = one_device()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        m, tfdp_losses = balanced_fit(
+            two_replicas, balanced_batches.BalanceOptions(replan_every=None, shares=PLAN))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert type(m.optimizer).__name__ == "NonFiniteLossScaleOptimizer"
+    assert max_difference(m.get_weights(), weights) < 1e-3
+    np.testing.assert_allclose(tfdp_losses, losses, rtol=1e-3)
+    assert tuple(m.tfdp_balanced_batches.totals.numpy()[2:4]) == (PLAN[0] * 7, PLAN[1] * 7)
