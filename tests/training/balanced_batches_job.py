@@ -1,7 +1,7 @@
 """Worker script: balanced batches under MultiWorkerMirroredStrategy on 2 workers (issue 35).
 
 Run by `test_balanced_batches_multiworker.py` through `tfdp-launch`, worker
-1 usually inside a CPU cgroup at half a CPU (`tfdp.bench.straggler`). Each
+1 usually inside a CPU cgroup at a quarter of a CPU (`tfdp.bench.straggler`). Each
 worker reads every global batch whole, from the same seeded arrays, and
 writes `rank<N>.npz`:
 

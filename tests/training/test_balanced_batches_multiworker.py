@@ -1,6 +1,6 @@
-"""Balanced batches on two real MultiWorkerMirroredStrategy workers, one held to half a CPU.
+"""Balanced batches on two real MultiWorkerMirroredStrategy workers, one held to a quarter of a CPU.
 
-One launch (`balanced_batches_job.py`), worker 1 inside a CPU cgroup at 0.5
+One launch (`balanced_batches_job.py`), worker 1 inside a CPU cgroup at 0.25
 CPU (`tfdp.bench.straggler`): each worker reads every global batch whole
 and computes its share in the step.
 
@@ -39,7 +39,7 @@ pytestmark = [
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("balanced_mw")
     command = [sys.executable, "-m", "tfdp.bench.straggler", "--rank", "1", "--cpu_fraction",
-               "0.5", "--", *python_command(JOB_SCRIPT, str(out))]
+               "0.25", "--", *python_command(JOB_SCRIPT, str(out))]
     result = run_launch(command, nproc=2, timeout=300, cwd=out)
     assert result.returncode == 0, result.describe()
     print(f"2-worker balanced batches job: {result.elapsed:.1f} s")
@@ -74,4 +74,4 @@ def test_plan_moves_toward_the_unthrottled_worker(records):
     assert final.sum() == job.WIDE_BATCH
     assert final[0] > final[1], history
     seconds = records[0]["moving_seconds_per_example"]
-    assert seconds[1] > seconds[0]
+    assert seconds[1] > seconds[0], (history, seconds)

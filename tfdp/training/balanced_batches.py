@@ -177,7 +177,8 @@ class BalancedBatches:
         """This replica's slice of the global batch `data` (a nest of tensors, batch first)."""
         context = tf.distribute.get_replica_context()
         replica = context.replica_id_in_sync_group
-        replica = tf.get_static_value(replica) if tf.is_tensor(replica) else replica
+        if tf.is_tensor(replica) and tf.get_static_value(replica) is not None:
+            replica = int(tf.get_static_value(replica))  # a constant: index statically
         first = next(t for t in tf.nest.flatten(data) if t is not None)
         bounds = slice_bounds(self.plan, tf.shape(first, out_type=tf.int64)[0])
         start, stop = bounds[replica], bounds[replica + 1]
