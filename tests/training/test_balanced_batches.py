@@ -398,3 +398,16 @@ def test_mixed_float16_with_a_fixed_unequal_plan_is_one_device_to_float16(two_re
     assert max_difference(m.get_weights(), weights) < 1e-3
     np.testing.assert_allclose(tfdp_losses, losses, rtol=1e-3)
     assert tuple(m.tfdp_balanced_batches.totals.numpy()[2:4]) == (PLAN[0] * 7, PLAN[1] * 7)
+
+
+@pytest.mark.slow
+def test_trainer_resumed_mid_epoch_equals_one_device(two_replicas, tmp_path):
+    """Stopped after 3 steps and resumed (the plan starts over, the input skips 3 batches): one device."""
+    weights, _ = one_device()
+    options = balanced_batches.BalanceOptions(replan_every=None, shares=PLAN)
+    first = trainer(two_replicas, options, model_dir=str(tmp_path))
+    assert first.train(dataset(), steps=3)["steps"] == 3
+    resumed = trainer(two_replicas, options, model_dir=str(tmp_path))
+    logs = resumed.train(dataset(), epochs=2)
+    assert logs["steps"] == 2 * STEPS
+    assert max_difference(resumed.model.get_weights(), weights) < 1e-5
