@@ -18,7 +18,9 @@ alias conflict `gradient_compression="bfloat16"` with another
 `all_reduce_dtype` (`compression.resolve`).
 
 Every pair of the options below that no rule refuses trains, on 2 replicas,
-and where a reference exists equals it (tests/training/test_option_pairs.py).
+and where a reference exists equals it (tests/training/test_option_pairs.py;
+`balance_batches`' rows and the pairs it trains with are checked in
+tests/training/test_balanced_batches.py).
 """
 
 from __future__ import annotations
