@@ -320,6 +320,7 @@ def test_bad_options():
         balanced_batches.BalanceOptions(replan_every=0)
 
 
+@pytest.mark.slow
 def test_does_nothing_on_one_replica():
     m = model()
     tfdp.compile(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9), loss=loss(),
