@@ -8,6 +8,9 @@
   `loss_scaling`'s);
 - `exchanges`: how gradients or weights cross replicas, one module per way
   (all-reduce, compressed, sharded, local steps);
+- `batch_shares`, `balanced_batches`, `replicated_input`: balanced per-replica
+  batches (each replica's share of every global batch follows its measured
+  speed; the plan's arithmetic, the step's cut and timing, fit's input);
 - `step_monitor`: after each training call, skips logged and the limit enforced; no non-finite save;
 - `trainer`: `tfdp.Trainer`, the outer loop (epochs, checkpoints, resuming exactly);
 - `replica_steps`: its inner loop, one replica's train and eval step in a `tf.function`;

@@ -4,8 +4,8 @@ This module owns the arithmetic of balanced per-worker batches (issue 35):
 which contiguous slice of each global batch every worker computes, and when
 that plan changes as the workers' speeds change. It does not measure time,
 move examples or exchange anything: the step measures each worker's compute
-seconds and all-reduces them, and the input pipeline cuts each global batch
-by the plan's slices. Because every worker feeds this module the same
+seconds and all-reduces them, and the train step cuts each global batch by
+the plan's slices (`tfdp.training.balanced_batches`). Because every worker feeds this module the same
 all-reduced timings, every worker computes the same plan with no collective
 of its own.
 
@@ -201,7 +201,18 @@ class SharePlanner:
             The new plan (now also `self.plan`), or None: not a planning step,
             no timings yet, or a predicted gain below `min_gain`.
         """
-        if step % self.replan_every or self.seconds_per_example is None:
+        if step % self.replan_every:
+            return None
+        return self.replan()
+
+    def replan(self) -> SharePlan | None:
+        """The plan for the speeds seen so far, now, if it is worth it (`maybe_replan` without the cadence).
+
+        Returns:
+            The new plan (now also `self.plan`), or None: no timings yet, or
+            a predicted gain below `min_gain`.
+        """
+        if self.seconds_per_example is None:
             return None
         candidate = plan_shares(self.plan.global_batch, self.seconds_per_example,
                                 minimum_share=self.minimum_share)

@@ -28,12 +28,14 @@ from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
+from tfdp.training import balanced_batches
 from tfdp.training import gc_freeze
 from tfdp.training import keras_savers
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import metric_reads
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import option_rules
+from tfdp.training import replicated_input
 from tfdp.training import step_monitor
 from tfdp.training import sync_points
 from tfdp.training import train_step as train_step_lib
@@ -90,12 +92,13 @@ def _fit_track(model: keras.Model, normalizer: norm_lib.Normalizer):
     return track
 
 
-def fit_train_step(model: keras.Model, normalizer: norm_lib.Normalizer, accum_steps: int, data):
-    """`model.train_step` under `tfdp.compile`: one replica, one global batch."""
+def fit_train_step(model: keras.Model, normalizer: norm_lib.Normalizer, accum_steps: int, data,
+                   balance=None):
+    """`model.train_step` under `tfdp.compile`: one replica, one global batch (whole, with `balance`)."""
     train_step_lib.replica_train_step(
         model=model, optimizer=model.optimizer, loss_source=norm_lib.ModelLoss(model),
         normalizer=normalizer, accum_steps=accum_steps, data=data,
-        track=_fit_track(model, normalizer),
+        track=_fit_track(model, normalizer), balance=balance,
     )
     return model.get_metrics_result()
 
@@ -126,6 +129,7 @@ def compile(  # pylint: disable=redefined-builtin
     sync_every: int = 1,
     outer_optimizer=None,
     shard_optimizer_state: bool = False,
+    balance_batches: bool | balanced_batches.BalanceOptions = False,
     **compile_kwargs,
 ) -> keras.Model:
     """`model.compile` whose `fit` and `evaluate` give one device's result, under any strategy.
@@ -149,6 +153,29 @@ def compile(  # pylint: disable=redefined-builtin
     warning. `"per_replica"` averages each replica's own mean, as stock
     Keras does for `Loss` objects. A model class that overrides `test_step`
     keeps it: `evaluate` runs it as written.
+
+    **Balanced batches.** With `balance_batches=True` (or a
+    `tfdp.training.balanced_batches.BalanceOptions`) each replica computes a
+    share of every global batch that follows its measured speed: `fit`
+    feeds every replica the whole global batch (`fit`'s `x` must be a
+    `tf.data.Dataset` of global batches, the same on every worker, with its
+    labels in it), and in the step replica r computes its contiguous slice
+    by a plan variable. The shares partition each global batch, and the
+    loss, gradients and logs stay one device's on it (global loss
+    normalisation). Each replica times its forward and backward pass
+    (`tf.timestamp`); the seconds ride in the gradients' all-reduce (no
+    collective of their own), and every `replan_every` steps (default 20,
+    at the end of an execution; the first execution's timings dropped as
+    warm-up) the shares are re-planned from the seconds per example, a
+    moving average over those windows, when that predicts a step at least
+    `min_gain` (5%) shorter (`tfdp.training.balanced_batches`). Every
+    worker plans from the same sums, so the plan changes at the same step
+    everywhere. On one replica it does nothing (so one script runs on one
+    device and on many); it needs `accum_steps=1`, `sync_every=1`, no
+    `outer_optimizer`, no compression or `all_reduce_dtype`, no
+    `shard_optimizer_state`, `nonfinite` set and `jit_compile=False`
+    (`tfdp.training.option_rules` refuses the others by name). The plan is
+    not checkpointed: a resumed run starts equal and re-plans.
 
     **Non-finite steps.** With `nonfinite="skip"` (the default) the optimizer
     is wrapped (`tfdp.training.nonfinite.NonFiniteGuard`, or
@@ -221,6 +248,11 @@ def compile(  # pylint: disable=redefined-builtin
             (`tfdp.distribute.optimizer_sharding`). Needs an element-wise
             optimizer (not LARS, LAMB, clipnorm, use_ema) and `nonfinite` set;
             not with `sync_every > 1`. Defaults to False.
+        balance_batches: `False` (default), `True` (default
+            `BalanceOptions`), or a
+            `tfdp.training.balanced_batches.BalanceOptions` (its
+            `replan_every`, a fixed or first plan `shares`, `smoothing`,
+            `min_gain`). See "Balanced batches" above.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 
     Returns:
@@ -247,17 +279,22 @@ def compile(  # pylint: disable=redefined-builtin
     loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
         "auto_scale_loss", True
     )
+    balance = balanced_batches.options_of(balance_batches)
+    # On one replica there is nothing to balance: it does nothing.
+    balancing = balance is not None and model.distribute_strategy.num_replicas_in_sync > 1
     # Every pair of options, before anything is built (tfdp.training.option_rules).
     option_rules.check(option_rules.TrainingOptions(
         nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
         sync_every=sync_every, outer_optimizer=outer_optimizer,
         shard_optimizer_state=shard_optimizer_state, accum_steps=accum_steps,
         steps_per_execution=steps_per_execution, loss_scaling=loss_scaling,
-        jit_compile=jit_compile, optimizer=optimizer))
+        jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing))
     local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
     tfdp_steps = _check_model(model, loss_normalization, accum_steps, local_sync is not None)
+    if balancing:
+        balanced_batches.check_loss_normalization(loss_normalization)
     keras_loss_terms.warn_if_unsupported()
     if jit_compile:
         devices.check_jit_compile_supported(model.distribute_strategy)
@@ -293,6 +330,10 @@ def compile(  # pylint: disable=redefined-builtin
                  + gc_freeze.METHODS):
         if name in vars(model):
             delattr(model, name)  # an earlier tfdp.compile's
+    # The plan, the timings and the planner (per-replica shares of each global batch).
+    model.tfdp_balanced_batches = (
+        balanced_batches.BalancedBatches(model.distribute_strategy, balance)
+        if balancing else None)
     if tfdp_steps:
         # Instance attributes shadow Model.train_step / test_step; Keras looks
         # them up on the instance each time it builds its functions.
@@ -301,7 +342,7 @@ def compile(  # pylint: disable=redefined-builtin
             fit_train_step, model,
             train_step_lib.train_normalizer(loss_normalization, num_replicas, accum_steps,
                                            local_sync is not None),
-            accum_steps,
+            accum_steps, balance=model.tfdp_balanced_batches,
         )
         if not _overrides(model, "test_step"):  # a class's own test_step runs as written
             model.test_step = functools.partial(
@@ -326,6 +367,11 @@ def compile(  # pylint: disable=redefined-builtin
     if keras_savers.has_state_they_lose(model.optimizer, model.distribute_strategy):
         # Keras' savers beside per-replica state: refused or warned about, by name.
         model.fit = functools.partial(_fit_checking_savers, model, model.fit)
+    if balancing:
+        # Every replica reads each global batch whole; the plan is re-planned between executions.
+        model.fit = functools.partial(
+            replicated_input.fit_balanced, model.tfdp_balanced_batches,
+            strategy_info_lib.strategy_info(model.distribute_strategy).is_chief, model.fit)
     # Full garbage collections would stall every worker in turn (see gc_freeze).
     model.fit = functools.partial(gc_freeze.fit_with_frozen_heap, model.fit)
     for name in gc_freeze.CALL_METHODS:

@@ -70,6 +70,7 @@ class OptimizerStep(verdict_lib.Counters):
     local_sync: local_sync_lib.LocalSync | None = None
     sharding: optimizer_sharding.OptimizerSharding | None = None
     _pending_divisor = None
+    _pending_riders = None
 
     @property
     def exchange(self) -> exchanges.Exchange:
@@ -148,6 +149,40 @@ class OptimizerStep(verdict_lib.Counters):
         finally:
             self._pending_divisor = None
 
+    @property
+    def carries_riders(self) -> bool:
+        """Whether `carrying` may be used (`Exchange.carries_riders`): the plain all-reduce in
+        the gradients' own dtype only."""
+        return self.exchange.carries_riders
+
+    @contextlib.contextmanager
+    def carrying(self, riders: tf.Tensor, on_sum):
+        """Within it, `apply` sums `riders` over replicas in the gradients' own all-reduce.
+
+        For per-step measurements every replica needs summed (the compute
+        seconds of `tfdp.training.balanced_batches`): exactly, in float32,
+        with no collective of their own. `on_sum` is called, in replica
+        context and before the verdict (so also on a skipped step), with
+        the sums, the same on every replica. Used at trace time, around
+        `apply_gradients`, when `carries_riders`.
+
+        Args:
+            riders: float32 `[k]`, this replica's values.
+            on_sum: called with the float32 `[k]` sums over all replicas.
+
+        Raises:
+            ValueError: the exchange cannot carry them (`carries_riders`).
+        """
+        if not self.carries_riders:
+            raise ValueError(
+                f"{type(self.exchange).__name__} cannot carry values in the gradients' "
+                "all-reduce; only the plain all-reduce in the gradients' own dtype can.")
+        self._pending_riders = (tf.reshape(tf.cast(riders, tf.float32), [-1]), on_sum)
+        try:
+            yield
+        finally:
+            self._pending_riders = None
+
     def gradient_scale(self):
         """What the gradients reaching `apply` are multiplied by (the loss scale), or None."""
         return None
@@ -185,8 +220,14 @@ class OptimizerStep(verdict_lib.Counters):
             step = step.replace(
                 divisor=tf.reshape(tf.cast(divisor, tf.float32), [1]),
                 gradients=[divide(g, 1.0 / tf.cast(scale, tf.float32)) for g in step.gradients])
+        on_riders_sum = None
+        if self._pending_riders is not None:
+            riders, on_riders_sum = self._pending_riders
+            step = step.replace(riders=riders)
 
         step = exchange.exchange(step)
+        if on_riders_sum is not None:
+            on_riders_sum(step.riders)
         if step.divisor is not None:
             divisor = tf.math.maximum(step.divisor[0], 1e-30)
             step = step.replace(gradients=[divide(g, divisor) for g in step.gradients])

@@ -18,7 +18,9 @@ alias conflict `gradient_compression="bfloat16"` with another
 `all_reduce_dtype` (`compression.resolve`).
 
 Every pair of the options below that no rule refuses trains, on 2 replicas,
-and where a reference exists equals it (tests/training/test_option_pairs.py).
+and where a reference exists equals it (tests/training/test_option_pairs.py;
+`balance_batches`' rows and the pairs it trains with are checked in
+tests/training/test_balanced_batches.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class TrainingOptions:
             Defaults to False.
         jit_compile: XLA. Defaults to False.
         optimizer: the (inner) Keras optimizer, or `None` when unknown.
+        balance_batches: balanced per-replica batches
+            (`tfdp.training.balanced_batches`) on 2+ replicas. Defaults to
+            False.
     """
 
     nonfinite: str | None = "skip"
@@ -64,6 +69,7 @@ class TrainingOptions:
     loss_scaling: bool = False
     jit_compile: bool = False
     optimizer: Any = None
+    balance_batches: bool = False
 
     @property
     def steps_locally(self) -> bool:
@@ -140,6 +146,42 @@ RULES: tuple[Rule, ...] = (
          "the compressor always sends its own {o.compressor.wire_dtype} values, so the dtype "
          "would be ignored.",
          "Use it alone. Pass all_reduce_dtype=None with it."),
+    Rule("balance_batches=True", "nonfinite=None",
+         lambda o: o.balance_batches and o.nonfinite is None,
+         "the replicas' compute seconds ride in the gradient all-reduce of tfdp's optimizer "
+         "wrapper, which comes with the non-finite step handling that nonfinite=None turns "
+         "off.",
+         "Use nonfinite='skip' (the default) or 'raise', or balance_batches=False."),
+    Rule("balance_batches=True", "accum_steps={o.accum_steps}",
+         lambda o: o.balance_batches and o.accum_steps > 1,
+         "a replica's share follows its speed, so it need not split into accum_steps "
+         "equal micro-batches.",
+         "Use accum_steps=1 with balance_batches (the shares are the memory knob: each "
+         "replica computes only its own), or balance_batches=False to accumulate."),
+    Rule("balance_batches=True", "{o.local_steps}",
+         lambda o: o.balance_batches and o.steps_locally,
+         "local steps make no gradient all-reduce per step for the shares to complete or the "
+         "timings to ride in.",
+         "Use sync_every=1 and no outer_optimizer with balance_batches, or "
+         "balance_batches=False for local steps."),
+    Rule("balance_batches=True", "{o.gradient_sum}",
+         lambda o: o.balance_batches and (o.compressor is not None
+                                          or o.all_reduce_dtype is not None),
+         "the replicas' compute seconds ride, exactly in float32, in the plain all-reduce of "
+         "the gradients, which a compressed or 16-bit sum replaces.",
+         "Use gradient_compression=None and all_reduce_dtype=None with balance_batches, or "
+         "balance_batches=False to compress."),
+    Rule("balance_batches=True", "shard_optimizer_state=True",
+         lambda o: o.balance_batches and o.shard_optimizer_state,
+         "ZeRO-1 reduce-scatters the gradients, and the replicas' compute seconds ride only "
+         "in the plain all-reduce.",
+         "Use shard_optimizer_state=False with balance_batches, or balance_batches=False to "
+         "shard the optimizer state."),
+    Rule("balance_batches=True", "jit_compile=True",
+         lambda o: o.balance_batches and o.jit_compile,
+         "each replica times its step with tf.timestamp, which XLA cannot compile.",
+         "Use jit_compile=False with balance_batches, or balance_batches=False to compile "
+         "with XLA."),
     Rule("{o.local_steps}", "shard_optimizer_state=True",
          lambda o: o.steps_locally and o.shard_optimizer_state,
          "between synchronisations every replica updates all of its own weights with its "

@@ -20,6 +20,7 @@ import tensorflow as tf
 from tfdp.training import input_position
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import replicated_input
 from tfdp.training import train_step as train_step_lib
 from tfdp.training.batch import BatchConfig
 
@@ -58,6 +59,9 @@ class ReplicaSteps:
         jit_compile: compile each step's `strategy.run` with XLA.
         loss_normalization: `"global"` or `"per_replica"`
             (`tfdp.training.loss_normalization`).
+        balance: `None`, or the `tfdp.training.balanced_batches.BalancedBatches`:
+            every replica is fed each global batch whole (`distribute`) and
+            computes its share of it.
 
     Attributes:
         train_loss, eval_loss: `keras.metrics.Mean` of the loss, as one device logs it.
@@ -71,8 +75,9 @@ class ReplicaSteps:
 
     def __init__(self, *, model: keras.Model, optimizer, loss, strategy: tf.distribute.Strategy,
                  batch: BatchConfig, metrics: Sequence[Any] | None, jit_compile: bool,
-                 loss_normalization: str = norm_lib.GLOBAL):
+                 loss_normalization: str = norm_lib.GLOBAL, balance=None):
         self.model = model
+        self.balance = balance
         self.optimizer = optimizer
         self.strategy = strategy
         self.batch = batch
@@ -136,6 +141,7 @@ class ReplicaSteps:
             model=self.model, optimizer=self.optimizer, loss_source=self._loss,
             normalizer=self._train_normalizer, accum_steps=self.batch.accum_steps, data=data,
             track=self._track(self.train_loss, self.train_metrics, self._train_normalizer),
+            balance=self.balance,
         )
 
     def _step_fn(self, data):
@@ -181,7 +187,16 @@ class ReplicaSteps:
         (`pipelines.make_dataset`'s) starts there without reading them.
         """
         dataset, left = input_position.start_at_batch(dataset, skip)
-        if isinstance(dataset, tf.data.Dataset):
+        if self.balance is not None:
+            if not isinstance(dataset, tf.data.Dataset):
+                raise ValueError(
+                    "With balance_batches, the Trainer's dataset must be a tf.data.Dataset "
+                    "(or a callable returning one) of global batches, the same on every "
+                    "worker: each replica reads every batch whole and cuts its share inside "
+                    f"the step. Received: {type(dataset).__name__}. Pass a tf.data.Dataset, "
+                    "or balance_batches=False.")
+            dataset = replicated_input.replicated(self.strategy, dataset)
+        elif isinstance(dataset, tf.data.Dataset):
             dataset = self.strategy.experimental_distribute_dataset(dataset)
         iterator = iter(dataset)
         if left:

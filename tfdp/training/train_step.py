@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import keras
@@ -176,7 +177,7 @@ def train_normalizer(loss_normalization: str, num_replicas: int, accum_steps: in
 
 
 def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer: norm_lib.Normalizer,
-                       accum_steps: int, data: Any, track: Track) -> None:
+                       accum_steps: int, data: Any, track: Track, balance=None) -> None:
     """One optimizer step on one replica's share of a global batch (inside `strategy.run`).
 
     Args:
@@ -185,9 +186,17 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         loss_source: `loss_normalization.ModelLoss` or `SingleLoss`.
         normalizer: the `loss_normalization.Normalizer`.
         accum_steps: micro-batches to split the replica's batch into.
-        data: `(x, y, sample_weight)`-like replica batch.
+        data: `(x, y, sample_weight)`-like replica batch; with `balance`,
+            the whole global batch.
         track: updates loss and metric state for each share.
+        balance: `None`, or the `balanced_batches.BalancedBatches`: the
+            replica computes its slice of `data` by the plan, timed, and its
+            seconds ride in the gradients' all-reduce (`accum_steps` 1 and
+            an optimizer that `carries_riders` only: `option_rules`).
     """
+    clock = None
+    if balance is not None:
+        data, clock = balance.start_clock(balance.replica_slice(data))
     x, y, sample_weight = _replica_batch(data)
     variables = model.trainable_variables
     guarded = nonfinite_lib.guard_of(optimizer) is not None
@@ -196,7 +205,10 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         y_pred = _forward(model, mx, training=True)
         share = loss_source.share(mx, my, y_pred, msw)
         if normalizer.is_global and global_counts is None:
-            global_counts = normalizer.global_counts(share.counts())
+            if clock is None:
+                global_counts = normalizer.global_counts(share.counts())
+            else:  # a collective: its wait is not this replica's compute
+                global_counts = clock.excluding(normalizer.global_counts, share.counts())
         denominators = normalizer.denominators(share, global_counts)
         loss, term_losses = normalizer.loss(share, denominators)
         track(share, loss, denominators, term_losses, mx, my, y_pred, msw)
@@ -212,8 +224,13 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
     # multiplies it back before dividing by the true sum.
     estimate = _local_examples(x) * (normalizer.num_shares / accum_steps)
     if accum_steps == 1:
-        early, deferred = counts_before_forward(model, loss_source, normalizer, x, y,
-                                                sample_weight, can_defer)
+        if clock is None:
+            early, deferred = counts_before_forward(model, loss_source, normalizer, x, y,
+                                                    sample_weight, can_defer)
+        else:  # a collective when the counts are neither constants nor deferred
+            early, deferred = clock.excluding(
+                lambda data: counts_before_forward(model, loss_source, normalizer, *data,
+                                                   can_defer), (x, y, sample_weight))
         if deferred:
             early = early * estimate
         with tf.GradientTape() as tape:
@@ -222,6 +239,8 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
         if on_gradients is not None:
             gradients = on_gradients(scaled_loss, gradients)
     else:
+        if balance is not None:
+            raise ValueError("Balanced batches take accum_steps=1 (tfdp.training.option_rules).")
         global_counts, deferred = None, False
         if normalizer.is_global:
             global_counts, deferred = global_micro_batch_counts(
@@ -239,10 +258,12 @@ def replica_train_step(*, model: keras.Model, optimizer, loss_source, normalizer
     # Each share's loss is already its part of the global batch's loss (times
     # the global examples N when deferred): the all-reduce SUM inside
     # apply_gradients completes it (and divides by N, summed alongside).
-    if deferred:
-        with optimizer.dividing_by_global(_local_examples(x), estimate):
-            optimizer.apply_gradients(zip(gradients, variables))
-    else:
+    with contextlib.ExitStack() as stack:
+        if deferred:
+            stack.enter_context(optimizer.dividing_by_global(_local_examples(x), estimate))
+        if balance is not None:  # this replica's seconds ride in the same all-reduce
+            stack.enter_context(optimizer.carrying(
+                balance.riders(clock, gradients, _local_examples(x)), balance.add_sums))
         optimizer.apply_gradients(zip(gradients, variables))
 
 

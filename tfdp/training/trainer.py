@@ -44,6 +44,7 @@ from tfdp.training import checkpointing
 from tfdp.training import gc_freeze
 from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
+from tfdp.training import balanced_batches
 from tfdp.training import option_rules
 from tfdp.training import replica_state
 from tfdp.training import replica_steps
@@ -181,6 +182,15 @@ class Trainer:
             (`tfdp.distribute.optimizer_sharding`). Needs an element-wise
             optimizer (not LARS, LAMB, clipnorm, use_ema) and `nonfinite` set;
             not with `sync_every > 1`. Defaults to False.
+        balance_batches: `False` (default), `True` or a
+            `tfdp.training.balanced_batches.BalanceOptions`: each replica
+            computes a share of every global batch that follows its measured
+            speed, re-planned every `replan_every` steps (after the training
+            call in which they end), as `tfdp.compile`'s argument of that
+            name says. The dataset must be a `tf.data.Dataset` (or a
+            callable returning one) of global batches, the same on every
+            worker: every replica reads each batch whole. Does nothing on one
+            replica. `Trainer.balanced_batches` holds the plan.
 
     Raises:
         ValueError: an argument is invalid, two options cannot be combined
@@ -212,8 +222,12 @@ class Trainer:
         sync_every: int = 1,
         outer_optimizer=None,
         shard_optimizer_state: bool = False,
+        balance_batches: bool | balanced_batches.BalanceOptions = False,
     ):
         norm_lib.check_mode(loss_normalization)
+        balance = balanced_batches.options_of(balance_batches)
+        # On one replica there is nothing to balance: it does nothing.
+        balancing = balance is not None and strategy.num_replicas_in_sync > 1
         all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
         if not isinstance(batch, BatchConfig):
             raise TypeError(
@@ -243,7 +257,9 @@ class Trainer:
             shard_optimizer_state=shard_optimizer_state, accum_steps=batch.accum_steps,
             steps_per_execution=steps_per_loop,
             loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
-            jit_compile=jit_compile, optimizer=optimizer))
+            jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing))
+        if balancing:
+            balanced_batches.check_loss_normalization(loss_normalization)
         local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
@@ -300,7 +316,10 @@ class Trainer:
         self._steps = replica_steps.ReplicaSteps(
             model=model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
             metrics=metrics, jit_compile=jit_compile, loss_normalization=loss_normalization,
+            balance=balanced_batches.BalancedBatches(strategy, balance) if balancing else None,
         )
+        #: The plan, timings and planner of balanced batches, or None.
+        self.balanced_batches = self._steps.balance
         self._guard = nonfinite_lib.guard_of(optimizer)
         self._monitor = self._guard and step_monitor.StepMonitor(
             self._guard, owner="tfdp trainer", log=self.info.is_chief
@@ -450,6 +469,8 @@ class Trainer:
                 summaries.write_batch_layout(self.batch)
 
         watcher = self._start_watching_sigterm()
+        if self.balanced_batches is not None:
+            self.balanced_batches.begin()
         try:
             self._heap.start()
             if until_end:
@@ -511,6 +532,7 @@ class Trainer:
                 self.train_loop_begin()
                 ran = int(self._steps.train_loop_until_end(iterator, tf.constant(num)))
                 self.train_loop_end()
+                self._after_steps(ran)
                 if ran:
                     logs = self._results(self._steps.train_loss, self._steps.train_metrics)
                     self._heap.mark("train")  # what the first call traced
@@ -588,6 +610,7 @@ class Trainer:
                 logs = self._results(self._steps.train_loss, self._steps.train_metrics)  # syncs
                 self._heap.mark("train")  # what the first call traced
                 elapsed = time.perf_counter() - loop_start
+                self._after_steps(num)
                 offset += num
                 global_step += num
                 if self._monitor is not None:
@@ -690,6 +713,11 @@ class Trainer:
                 summaries.write_progress(
                     logs, learning_rate=lr, examples_per_second=examples_per_second,
                     skipped_steps=self.skipped_steps if self._guard is not None else None)
+
+    def _after_steps(self, steps: int) -> None:
+        """After a training call: balanced batches re-plan when their steps are due."""
+        if self.balanced_batches is not None and steps:
+            self.balanced_batches.after_steps(steps, log=self.info.is_chief)
 
     def _check_steps(self, counted: int, expected: int) -> None:
         """Checks that the optimizer counted every step this worker ran."""

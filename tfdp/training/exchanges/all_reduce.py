@@ -7,6 +7,9 @@ bytes). A deferred global divisor (`Step.divisor`: the global example count
 of `tfdp.training.loss_normalization`) rides in the same collective, exactly
 in float32, so it costs nothing more; in bfloat16 it cannot (one concat of
 mixed dtypes), so that case is not offered (`accepts_global_divisor`).
+Riders (`Step.riders`: the per-replica compute seconds of balanced batches,
+`tfdp.training.balanced_batches`) ride the same way, under the same rule
+(`carries_riders`).
 
 With one replica nothing is exchanged. No per-replica state.
 """
@@ -35,6 +38,10 @@ class AllReduce(base.Exchange):
         return self.all_reduce_dtype is None
 
     @property
+    def carries_riders(self) -> bool:
+        return self.all_reduce_dtype is None
+
+    @property
     def scatterable(self) -> bool:
         return self.all_reduce_dtype is None
 
@@ -42,9 +49,14 @@ class AllReduce(base.Exchange):
         context = step.context
         if context.num_replicas_in_sync == 1:
             return step
-        if step.divisor is not None:
-            gradients, (divisor,) = reduction.all_reduce_sum(
-                context, step.gradients, self.all_reduce_dtype, exact=[step.divisor])
-            return step.replace(gradients=gradients, divisor=divisor, reduced=True)
-        gradients = reduction.all_reduce_sum(context, step.gradients, self.all_reduce_dtype)
-        return step.replace(gradients=gradients, reduced=True)
+        exact = [t for t in (step.divisor, step.riders) if t is not None]
+        if not exact:
+            gradients = reduction.all_reduce_sum(context, step.gradients, self.all_reduce_dtype)
+            return step.replace(gradients=gradients, reduced=True)
+        gradients, sums = reduction.all_reduce_sum(
+            context, step.gradients, self.all_reduce_dtype, exact=exact)
+        sums = iter(sums)
+        return step.replace(
+            gradients=gradients, reduced=True,
+            divisor=None if step.divisor is None else next(sums),
+            riders=None if step.riders is None else next(sums))

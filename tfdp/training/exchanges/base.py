@@ -49,6 +49,10 @@ class Step:
         unscaled: the gradients were already divided by the loss scale.
         pending: what the exchange commits in `settle` once the verdict is
             known (e.g. a compressor's new error memories), or `None`.
+        riders: `None`, or a float32 `[k]` tensor summed over replicas in
+            the gradients' own collective (`OptimizerStep.carrying`): this
+            replica's values before it, the sums after it. Only an exchange
+            that `carries_riders` takes it.
     """
 
     context: tf.distribute.ReplicaContext
@@ -59,6 +63,7 @@ class Step:
     partial: bool = False
     unscaled: bool = False
     pending: Any = None
+    riders: tf.Tensor | None = None
 
     def replace(self, **changes) -> "Step":
         """A copy with `changes` (dataclasses.replace)."""
@@ -98,6 +103,8 @@ class Exchange:
             `keras.callbacks.BackupAndRestore`) do not keep, for a warning
             (`tfdp.training.keras_savers`); `None` when they keep it all.
         accepts_global_divisor: whether a `Step.divisor` may be given.
+        carries_riders: whether `Step.riders` may be given: the exchange sums
+            them, exactly in float32, in its collective of the gradients.
         scatterable: whether a sharded exchange may reduce-scatter instead
             of calling this exchange (only for a plain, lossless sum).
         steps_locally: each replica applies its own gradients.
@@ -106,6 +113,7 @@ class Exchange:
 
     state_repartitions = True
     accepts_global_divisor = False
+    carries_riders = False
     scatterable = False
     steps_locally = False
     sharding = None
