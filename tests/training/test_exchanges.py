@@ -238,6 +238,7 @@ GRADIENT_PATH = (
     "tfdp/training/nonfinite.py", "tfdp/training/verdict.py", "tfdp/training/optimizer_step.py",
     "tfdp/training/guard_optimizer.py", "tfdp/training/loss_scaling.py",
     "tfdp/training/wrapping.py", "tfdp/training/option_rules.py",
+    "tfdp/training/exchange_options.py",
     *(f"tfdp/training/exchanges/{n}.py" for n in ("__init__", "base", *EXCHANGE_MODULES)),
     "tfdp/distribute/reduction.py", "tfdp/distribute/compression.py",
     "tfdp/distribute/powersgd.py", "tfdp/distribute/topk.py", "tfdp/distribute/local_sync.py",

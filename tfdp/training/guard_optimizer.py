@@ -15,6 +15,7 @@ import keras
 from tfdp._upstream import keras_optimizer_internals
 from tfdp.distribute import compression
 from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.training import exchange_options
 from tfdp.training import optimizer_step
 from tfdp.training import verdict
 
@@ -67,10 +68,9 @@ class NonFiniteGuard(optimizer_step.OptimizerStep, keras.optimizers.Optimizer):
         shard_optimizer_state: bool = False,
         **kwargs,
     ):
-        compressor = optimizer_step.compressor_of(compressor)
-        local_sync = optimizer_step.local_sync_of(local_sync)
-        verdict.check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype, compressor,
-                                local_sync, shard_optimizer_state)
+        options = exchange_options.ExchangeOptions.checked(
+            max_consecutive_nonfinite, all_reduce_dtype, compressor, local_sync,
+            shard_optimizer_state)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "
@@ -80,11 +80,7 @@ class NonFiniteGuard(optimizer_step.OptimizerStep, keras.optimizers.Optimizer):
             raise ValueError(f"NonFiniteGuard does not support arguments: {sorted(kwargs)}.")
         super().__init__(learning_rate=0.0, name=name or "nonfinite_guard")
         self.inner_optimizer = inner_optimizer
-        self.max_consecutive_nonfinite = max_consecutive_nonfinite
-        self.all_reduce_dtype = all_reduce_dtype
-        self.compressor = compressor
-        self.local_sync = local_sync
-        self.sharding = optimizer_step.sharding_of(shard_optimizer_state, inner_optimizer)
+        self._adopt(options, inner_optimizer)
 
     def build(self, var_list):
         self._build_counters()
@@ -129,7 +125,7 @@ class NonFiniteGuard(optimizer_step.OptimizerStep, keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            **optimizer_step.config_of(self),
+            **exchange_options.config_of(self),
         }
 
     @classmethod

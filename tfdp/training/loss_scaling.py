@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfdp._upstream import loss_scale
 from tfdp.distribute import compression
 from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.training import exchange_options
 from tfdp.training import optimizer_step
 from tfdp.training import verdict
 
@@ -58,19 +59,14 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         shard_optimizer_state: bool = False,
         **kwargs,
     ):
-        compressor = optimizer_step.compressor_of(compressor)
-        local_sync = optimizer_step.local_sync_of(local_sync)
-        verdict.check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype, compressor,
-                                local_sync, shard_optimizer_state)
+        options = exchange_options.ExchangeOptions.checked(
+            max_consecutive_nonfinite, all_reduce_dtype, compressor, local_sync,
+            shard_optimizer_state)
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,
         )
-        self.max_consecutive_nonfinite = max_consecutive_nonfinite
-        self.all_reduce_dtype = all_reduce_dtype
-        self.compressor = compressor
-        self.local_sync = local_sync
-        self.sharding = optimizer_step.sharding_of(shard_optimizer_state, self.inner_optimizer)
+        self._adopt(options, self.inner_optimizer)
 
     def build(self, var_list):
         self._build_counters()
@@ -121,7 +117,7 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         )
 
     def get_config(self):
-        return {**super().get_config(), **optimizer_step.config_of(self)}
+        return {**super().get_config(), **exchange_options.config_of(self)}
 
     @property
     def variables(self):

@@ -36,10 +36,9 @@ import tensorflow as tf
 from tfdp._upstream import keras_optimizer_internals
 from tfdp._upstream import keras_optimizer_reduction
 from tfdp.distribute import compression
-from tfdp.distribute import compressor_config
 from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.distribute import optimizer_sharding
-from tfdp.distribute import shard_layout
+from tfdp.training import exchange_options
 from tfdp.training import exchanges
 from tfdp.training import keras_savers
 from tfdp.training import verdict as verdict_lib
@@ -183,6 +182,15 @@ class OptimizerStep(verdict_lib.Counters):
         finally:
             self._pending_riders = None
 
+    def _adopt(self, options: exchange_options.ExchangeOptions, inner_optimizer) -> None:
+        """Takes the checked options both wrappers share (after Keras' `__init__`)."""
+        self.max_consecutive_nonfinite = options.max_consecutive_nonfinite
+        self.all_reduce_dtype = options.all_reduce_dtype
+        self.compressor = options.compressor
+        self.local_sync = options.local_sync
+        self.sharding = exchange_options.sharding_of(options.shard_optimizer_state,
+                                                     inner_optimizer)
+
     def gradient_scale(self):
         """What the gradients reaching `apply` are multiplied by (the loss scale), or None."""
         return None
@@ -264,41 +272,3 @@ class OptimizerStep(verdict_lib.Counters):
             )
 
         step.context.merge_call(cross_replica, args=(step.gradients, proceed))
-
-
-def compressor_of(compressor):
-    """The compressor of a wrapper's `compressor` argument (an object, its config, or None)."""
-    if isinstance(compressor, dict):
-        return compressor_config.deserialize(compressor)
-    return compressor
-
-
-def local_sync_of(local_sync):
-    """The `LocalSync` of a wrapper's `local_sync` argument (an object, its config, or None)."""
-    if isinstance(local_sync, dict):
-        return local_sync_lib.LocalSync.from_config(local_sync)
-    if local_sync is not None and not isinstance(local_sync, local_sync_lib.LocalSync):
-        raise ValueError(
-            "`local_sync` must be a tfdp.distribute.local_sync.LocalSync or None. "
-            f"Received: local_sync={local_sync!r}"
-        )
-    return local_sync
-
-
-def sharding_of(shard_optimizer_state: bool, inner_optimizer):
-    """The `OptimizerSharding` for `shard_optimizer_state=True` (checks the inner optimizer), else None."""
-    if not shard_optimizer_state:
-        return None
-    shard_layout.check_optimizer(inner_optimizer)
-    return optimizer_sharding.OptimizerSharding()
-
-
-def config_of(optimizer: OptimizerStep) -> dict:
-    """The exchange options of `optimizer`'s config (JSON-able)."""
-    return {
-        "max_consecutive_nonfinite": optimizer.max_consecutive_nonfinite,
-        "all_reduce_dtype": optimizer.all_reduce_dtype,
-        "compressor": compressor_config.serialize(optimizer.compressor),
-        "local_sync": None if optimizer.local_sync is None else optimizer.local_sync.get_config(),
-        "shard_optimizer_state": optimizer.sharding is not None,
-    }

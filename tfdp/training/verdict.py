@@ -26,6 +26,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfdp import _checks
 from tfdp.distribute import compression
 from tfdp.distribute import reduction
 from tfdp.training import option_rules
@@ -84,15 +85,7 @@ def check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
             "(stop at the first) or None (no handling). "
             f"Received: nonfinite={nonfinite!r}"
         )
-    if (
-        isinstance(max_consecutive_nonfinite, bool)
-        or not isinstance(max_consecutive_nonfinite, int)
-        or max_consecutive_nonfinite < 1
-    ):
-        raise ValueError(
-            "`max_consecutive_nonfinite` must be a positive integer. "
-            f"Received: max_consecutive_nonfinite={max_consecutive_nonfinite!r}"
-        )
+    _checks.check_int("max_consecutive_nonfinite", max_consecutive_nonfinite)
 
 
 def _check_compressor(compressor) -> None:

@@ -14,6 +14,7 @@ from tfdp.distribute import compression
 from tfdp.distribute import local_sync as local_sync_lib
 from tfdp.training import guard_optimizer
 from tfdp.training import loss_scaling as loss_scaling_lib
+from tfdp.training import exchange_options
 from tfdp.training import optimizer_step
 from tfdp.training import verdict
 
@@ -79,7 +80,7 @@ def wrap_optimizer(
         if shard_optimizer_state and optimizer.sharding is None:
             if optimizer.built:
                 raise ValueError("Pass shard_optimizer_state before the optimizer is built.")
-            optimizer.sharding = optimizer_step.sharding_of(True, optimizer.inner_optimizer)
+            optimizer.sharding = exchange_options.sharding_of(True, optimizer.inner_optimizer)
         verdict.check_arguments(nonfinite, max_consecutive_nonfinite, optimizer.all_reduce_dtype,
                         optimizer.compressor, optimizer.local_sync,
                         optimizer.sharding is not None)
