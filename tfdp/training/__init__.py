@@ -5,7 +5,7 @@
 - `nonfinite`: the optimizer wrappers that skip NaN/Inf steps everywhere alike (the
   public names; the verdict and counters are `verdict`'s, the step
   exchange -> verdict -> apply -> finish `optimizer_step`'s, the loss scale
-  `loss_scaling`'s, the options both wrappers take `exchange_options`');
+  `loss_scaling`'s, the options both wrappers take `exchange_options`'s);
 - `exchanges`: how gradients or weights cross replicas, one module per way
   (all-reduce, compressed, sharded, local steps);
 - `batch_shares`, `balanced_batches`, `replicated_input`: balanced per-replica
