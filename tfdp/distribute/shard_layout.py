@@ -86,6 +86,18 @@ def check_optimizer(optimizer) -> None:
         )
 
 
+def check_sharded_exchange(strategy: tf.distribute.Strategy, *, shard_optimizer_state: bool,
+                           compressor, all_reduce_dtype) -> None:
+    """`check_strategy` where ZeRO-1 will reduce-scatter: sharded state behind the plain exchange.
+
+    For `tfdp.compile` and `tfdp.Trainer`, before anything is built. With a
+    compressor or a 16-bit all-reduce the sharded exchange sums whole
+    gradients by design (no reduce-scatter), so there is nothing to check.
+    """
+    if shard_optimizer_state and compressor is None and all_reduce_dtype is None:
+        check_strategy(strategy)
+
+
 def check_strategy(strategy: tf.distribute.Strategy) -> None:
     """Raises ValueError when ZeRO-1 could not reduce-scatter among `strategy`'s replicas.
 

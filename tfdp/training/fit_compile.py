@@ -298,8 +298,9 @@ def compile(  # pylint: disable=redefined-builtin
     keras_loss_terms.warn_if_unsupported()
     if jit_compile:
         devices.check_jit_compile_supported(model.distribute_strategy)
-    if shard_optimizer_state and compressor is None and all_reduce_dtype is None:
-        shard_layout.check_strategy(model.distribute_strategy)
+    shard_layout.check_sharded_exchange(
+        model.distribute_strategy, shard_optimizer_state=shard_optimizer_state,
+        compressor=compressor, all_reduce_dtype=all_reduce_dtype)
     keras_accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
     if keras_accumulation:
         raise ValueError(

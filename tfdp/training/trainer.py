@@ -263,8 +263,9 @@ class Trainer:
         local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
-        if shard_optimizer_state and compressor is None and all_reduce_dtype is None:
-            shard_layout.check_strategy(strategy)  # reduce-scatter, or refuse now
+        shard_layout.check_sharded_exchange(  # reduce-scatter, or refuse now
+            strategy, shard_optimizer_state=shard_optimizer_state, compressor=compressor,
+            all_reduce_dtype=all_reduce_dtype)
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "`model` must be built (give it an Input or call it once) and have "
