@@ -59,6 +59,34 @@ class StrategyInfo:
 
 
 
+def check_synchronous(strategy: tf.distribute.Strategy, caller: str) -> None:
+    """Raises when `strategy` is TensorFlow's asynchronous `ParameterServerStrategy`.
+
+    Keras 3 has no parameter-server support at all: its `fit` runs the train
+    function on the coordinator without a `ClusterCoordinator`, and
+    TensorFlow fails at the first batch with "To use this dataset, you need
+    to pass this dataset to ClusterCoordinator.create_per_worker_dataset".
+    tfdp's training paths are synchronous; this says so before anything is
+    built.
+
+    Args:
+        strategy: the strategy `caller` would train under.
+        caller: what refuses, e.g. `"tfdp.compile"`.
+
+    Raises:
+        ValueError: naming the strategy and what to use instead.
+    """
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise ValueError(
+            f"{caller} trains synchronously and cannot run under "
+            "tf.distribute.experimental.ParameterServerStrategy: Keras 3's fit has no "
+            "parameter-server support (it would run on the coordinator without a "
+            "ClusterCoordinator, and TensorFlow fails at the first batch), and tfdp does not "
+            "drive that strategy. Use tfdp.make_strategy() (MirroredStrategy on one host, "
+            "MultiWorkerMirroredStrategy across workers); for workers of different speeds, "
+            "balance_batches=True.")
+
+
 def _public_name(strategy: tf.distribute.Strategy) -> str:
     """The name users know the strategy by (`tf.distribute.<name>`)."""
     for name in ("MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy"):

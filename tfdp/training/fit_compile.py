@@ -270,6 +270,7 @@ def compile(  # pylint: disable=redefined-builtin
             or `compute_loss` where tfdp's steps must replace them (the
             message says what to write instead).
     """
+    strategy_info_lib.check_synchronous(model.distribute_strategy, "tfdp.compile")
     _checks.check_int("accum_steps", accum_steps, hint=" (1 means no accumulation)")
     steps_per_execution = _checks.check_int("steps_per_execution", steps_per_execution)
     all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)

@@ -224,6 +224,7 @@ class Trainer:
         shard_optimizer_state: bool = False,
         balance_batches: bool | balanced_batches.BalanceOptions = False,
     ):
+        strategy_info_lib.check_synchronous(strategy, "tfdp.Trainer")
         norm_lib.check_mode(loss_normalization)
         balance = balanced_batches.options_of(balance_batches)
         # On one replica there is nothing to balance: it does nothing.
