@@ -68,7 +68,8 @@ def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01,
 
 _TFDP_COMPRESSION = {"tfdp_fit": "none", "tfdp_fit_bf16": "bfloat16",
                      "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
-                     "tfdp_fit_float8": "float8", "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
+                     "tfdp_fit_float8": "float8", "tfdp_fit_local_sgd": "local_sgd",
+                     "tfdp_fit_diloco": "diloco"}
 _DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd"}  # 2 B/value
 
 

@@ -587,9 +587,9 @@ def _local_cases(tfdp, strategy, counter):
 #: mixed_float16. Already run above, × accumulation: the plain all-reduce (`fit`), PowerSGD
 #: (`psgd_rank1`), ZeRO-1 (`zero`), DiLoCo (`diloco`); × mixed_float16: the plain all-reduce
 #: (`mixed_float16`, with accumulation). name -> (dtype policy, `_fit_case` arguments; a
-#: callable value is called with `tfdp`). Momentum SGD throughout; the mixed_float16
-#: cases accumulate 2 micro-batches, as `mixed_float16` does, which is their reference
-#: where one exists (lossless PowerSGD, ZeRO-1).
+#: callable `gradient_compression` is called with `tfdp`). Momentum SGD throughout; the
+#: mixed_float16 cases accumulate 2 micro-batches, as `mixed_float16` does, which is their
+#: reference where one exists (lossless PowerSGD, ZeRO-1).
 PAIR_CASES = {
     "float8": (None, dict(gradient_compression="float8", accum_steps=1)),
     "float8_accum": (None, dict(gradient_compression="float8", accum_steps=ACCUM_STEPS)),
