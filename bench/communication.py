@@ -2,8 +2,8 @@
 
 This module owns the comparison of gradient communication on the benchmark
 CNN at 2 workers (over the suite's link: loopback, or `--link RATE`):
-tfdp's `tfdp_fit` paths with the plain all-reduce, bfloat16, PowerSGD and
-Top-K (timed by `tfdp.bench.throughput` in the suite's scaling launches,
+tfdp's `tfdp_fit` paths with the plain all-reduce, bfloat16, PowerSGD,
+Top-K and float8 (timed by `tfdp.bench.throughput` in the suite's scaling launches,
 beside the no-all-reduce diagnostic loop), and PyTorch DDP with no hook
 (the peer case), `fp16_compress_hook` (its `bf16_compress_hook` needs CUDA
 and NCCL) and `powerSGD_hook` at the same rank
@@ -25,7 +25,7 @@ own (`python -m tfdp.bench.time_to_accuracy`), not part of the suite yet.
 from __future__ import annotations
 
 TFDP_PATHS = ("tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk",
-              "tfdp_fit_local_sgd", "tfdp_fit_diloco")
+              "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco")
 #: Steps between synchronisations of the local-step paths (`tfdp.bench.throughput`'s spec).
 SYNC_EVERY = {"local_sgd": 8, "diloco": 16}
 DDP_HOOKS = ("fp16", "powersgd")
@@ -59,6 +59,8 @@ def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01,
         return 4 * tfdp.compression.PowerSGD(rank=rank).values_sent(variables)
     if compression == "topk":
         return 4 * tfdp.compression.TopK(fraction=fraction).values_sent(variables)
+    if compression == "float8":
+        return 4 * tfdp.compression.Float8().values_sent(variables)
     if compression in SYNC_EVERY:
         return round(4 * values / SYNC_EVERY[compression])
     raise ValueError(f"Unknown compression {compression!r}.")
@@ -66,7 +68,8 @@ def bytes_per_step(compression: str, *, rank: int = 4, fraction: float = 0.01,
 
 _TFDP_COMPRESSION = {"tfdp_fit": "none", "tfdp_fit_bf16": "bfloat16",
                      "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
-                     "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
+                     "tfdp_fit_float8": "float8", "tfdp_fit_local_sgd": "local_sgd",
+                     "tfdp_fit_diloco": "diloco"}
 _DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd"}  # 2 B/value
 
 

@@ -32,6 +32,7 @@ PATH_LABELS = {
     "tfdp_fit_per_replica": "tfdp fit, per-replica loss (no global counts)",
     "tfdp_fit_powersgd": "tfdp fit, PowerSGD (rank 4) gradient compression",
     "tfdp_fit_topk": "tfdp fit, Top-K (1%) gradient compression",
+    "tfdp_fit_float8": "tfdp fit, float8 (E4M3, per-tensor scale) gradient compression",
     "tfdp_fit_local_sgd": "tfdp fit, local SGD (weights averaged every 8 steps)",
     "tfdp_fit_diloco": "tfdp fit, DiLoCo (every 16 steps, Nesterov outer step)",
     "trainer": "tfdp Trainer (steps_per_loop=N)",

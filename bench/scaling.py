@@ -63,8 +63,8 @@ def summarize(runs: dict, *, paths=None) -> dict:
 #: Paths that only serve to split the step (not trained with for real).
 DIAGNOSTIC_PATHS = ("loop_n_local", "loop_n_sync", "input")
 #: Paths whose gradients are compressed: the breakdown's parts do not apply.
-COMPRESSED_PATHS = ("tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_local_sgd",
-                    "tfdp_fit_diloco")
+COMPRESSED_PATHS = ("tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_float8",
+                    "tfdp_fit_local_sgd", "tfdp_fit_diloco")
 
 
 def breakdown(runs: dict, all_reduce: dict | None, *, workers: str = "2") -> dict:

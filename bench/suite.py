@@ -186,7 +186,7 @@ class SuiteConfig:
         values = dict(
             quick=True, steps=20, repeats=1, rounds=1,
             paths=("keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd",
-                   "tfdp_fit_topk", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "trainer", "loop_n", "loop_n_local", "loop_n_sync", "input"),
+                   "tfdp_fit_topk", "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "trainer", "loop_n", "loop_n_local", "loop_n_sync", "input"),
             accum_steps_timed=3, accum_steps=(1, 8), accum_rounds=2, all_reduce_iterations=5,
             all_reduce_sizes=(4, 40_000, 4_000_000),
             pipeline_flags=(("num_examples", 256), ("image_size", 32), ("global_batch", 64),

@@ -27,9 +27,10 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
   each replica's own mean, so the two differ by what the global loss counts
   cost (`tfdp.training.loss_normalization`; with this CNN's static batch
   they are constants and no collective of their own);
-- `tfdp_fit_powersgd`, `tfdp_fit_topk`: `tfdp_fit` with
-  `gradient_compression=tfdp.compression.PowerSGD(rank=spec["compression_rank"])`
-  or `TopK(fraction=spec["topk_fraction"])` (`tfdp.compression`);
+- `tfdp_fit_powersgd`, `tfdp_fit_topk`, `tfdp_fit_float8`: `tfdp_fit` with
+  `gradient_compression=tfdp.compression.PowerSGD(rank=spec["compression_rank"])`,
+  `TopK(fraction=spec["topk_fraction"])` or `"float8"` (E4M3 with a per-tensor
+  scale and error feedback: a quarter of float32's bytes; `tfdp.compression`);
 - `tfdp_fit_local_sgd`, `tfdp_fit_diloco`: `tfdp_fit` with local steps and
   no gradient all-reduce: `sync_every=spec["local_sgd_sync_every"]` (the
   weights averaged), or `sync_every=spec["diloco_sync_every"]` with DiLoCo's
@@ -60,7 +61,7 @@ import time
 from typing import Callable
 
 PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica",
-         "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "trainer", "loop_1", "loop_n",
+         "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
 #: How the hand-written loops exchange gradients (see the module docstring).
@@ -153,6 +154,8 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
                 compressor = tfdp.compression.PowerSGD(rank=spec["compression_rank"])
             elif compression == "topk":
                 compressor = tfdp.compression.TopK(fraction=spec["topk_fraction"])
+            elif compression == "float8":
+                compressor = "float8"
             local = {}
             if compression == "local_sgd":
                 local = dict(sync_every=spec["local_sgd_sync_every"])
@@ -312,6 +315,7 @@ def _runner(path, strategy, dataset, spec, mark):
 
 
 _COMPRESSION_OF_PATH = {"tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
+                        "tfdp_fit_float8": "float8",
                         "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
 
 

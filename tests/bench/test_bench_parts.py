@@ -243,19 +243,27 @@ def test_communication_rows_bytes_and_ratios():
         return {"images_per_second": images, "median_images_per_second": images - 1}
 
     runs = {"2": {"paths": {"tfdp_fit": row(100.0), "tfdp_fit_powersgd": row(180.0),
-                            "loop_n_local": row(200.0)}}}
+                            "tfdp_fit_float8": row(150.0), "loop_n_local": row(200.0)}}}
     peer = {"status": "ok", "workers": {"2": row(90.0)}}
-    hooks = {"status": "ok", "rows": {"powersgd": row(120.0)}}
+    hooks = {"status": "ok", "rows": {"powersgd": row(120.0), "fp16": row(110.0)}}
     case = communication.summarize(runs, peer, hooks)
     by_path = {(r["framework"], r["path"]): r for r in case["rows"]}
     assert by_path[("tfdp", "tfdp_fit")]["bytes_per_step"] == 4 * 288_298
     assert by_path[("tfdp", "tfdp_fit_powersgd")]["bytes_per_step"] == 4 * 14_430
     assert by_path[("PyTorch DDP", "powersgd")]["bytes_per_step"] == 4 * 14_430
+    # float8: one byte per value (four codes to an int32) and a float32 scale
+    # per tensor (the CNN has 14): just over a quarter of float32's bytes,
+    # half of fp16_compress_hook's.
+    assert by_path[("tfdp", "tfdp_fit_float8")]["bytes_per_step"] == 4 * (288_298 // 4 + 1 + 14)
+    assert by_path[("PyTorch DDP", "fp16")]["bytes_per_step"] == 2 * 288_298
+    assert by_path[("tfdp", "tfdp_fit_float8")]["vs_no_all_reduce"] == 0.75
     assert case["best_tfdp"] == "tfdp_fit_powersgd"
     assert case["best_tfdp_vs_no_all_reduce"] == 0.9
     assert case["best_tfdp_over_best_ddp"] == 1.5
     markdown = report._communication(case)  # pylint: disable=protected-access
     assert any("`powerSGD_hook`" in line and "57,720" in line for line in markdown)
+    assert any("float8 (E4M3, per-tensor scale)" in line and "288,356" in line
+               for line in markdown)
 
 
 def test_mlp_communication_rows_bytes_and_ratio():

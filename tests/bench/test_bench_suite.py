@@ -60,8 +60,8 @@ def test_smoke_suite_writes_every_case(tmp_path):
             part["step_ms"])
     communication = results["cases"]["communication"]
     assert {r["path"] for r in communication["rows"] if r["framework"] == "tfdp"} == {
-        "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_local_sgd",
-        "tfdp_fit_diloco"}
+        "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_float8",
+        "tfdp_fit_local_sgd", "tfdp_fit_diloco"}
     assert {r["path"] for r in communication["mlp"]["rows"]} == {"tfdp_fit", "tfdp_fit_powersgd"}
     tta = results["cases"]["time_to_accuracy"]
     # PyTorch comes with the `bench` extra only: without it every DDP row is

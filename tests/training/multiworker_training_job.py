@@ -33,6 +33,8 @@ the global batches of `global_batches(0)`, one epoch:
   batches (the last partial), with tfdp's one validation iterator
   (`keras_spare_iterator.keep_validation_iterator`) and with Keras' own loop:
   the logs, and the distributed iterators Keras' loop built;
+- `float8_*`, `<exchange>_accum_*`, `<exchange>_mf16_*`: `PAIR_CASES`, the
+  exchanges × accumulation and × mixed_float16 not run by the cases above;
 - `local_nan_*`: local SGD with NaN on worker 1 only (`nan_on_worker_1`):
   what `fit` raised on each worker and the batches whose end it reached.
 
@@ -580,6 +582,56 @@ def _local_cases(tfdp, strategy, counter):
     return results
 
 
+#: The 2-worker subset of the option-pair matrix (tests/training/test_option_pairs.py) that
+#: the cases above leave out: every exchange × accumulation and every exchange ×
+#: mixed_float16. Already run above, × accumulation: the plain all-reduce (`fit`), PowerSGD
+#: (`psgd_rank1`), ZeRO-1 (`zero`), DiLoCo (`diloco`); × mixed_float16: the plain all-reduce
+#: (`mixed_float16`, with accumulation). name -> (dtype policy, `_fit_case` arguments; a
+#: callable `gradient_compression` is called with `tfdp`). Momentum SGD throughout; the
+#: mixed_float16 cases accumulate 2 micro-batches, as `mixed_float16` does, which is their
+#: reference where one exists (lossless PowerSGD, ZeRO-1).
+PAIR_CASES = {
+    "float8": (None, dict(gradient_compression="float8", accum_steps=1)),
+    "float8_accum": (None, dict(gradient_compression="float8", accum_steps=ACCUM_STEPS)),
+    "bf16_accum": (None, dict(gradient_compression="bfloat16", accum_steps=ACCUM_STEPS)),
+    "topk_accum": (None, dict(gradient_compression=lambda tfdp: tfdp.compression.TopK(
+        fraction=0.05), accum_steps=ACCUM_STEPS)),
+    "local_sgd_accum": (None, dict(sync_every=LOCAL_CASES["local_sgd"][0],
+                                   accum_steps=ACCUM_STEPS)),
+    "bf16_mf16": ("mixed_float16", dict(gradient_compression="bfloat16",
+                                        accum_steps=ACCUM_STEPS)),
+    "psgd_mf16": ("mixed_float16", dict(gradient_compression=COMPRESSION_CASES[
+        "psgd_lossless"][0], accum_steps=ACCUM_STEPS)),
+    "topk_mf16": ("mixed_float16", dict(gradient_compression=lambda tfdp: tfdp.compression.TopK(
+        fraction=0.05), accum_steps=ACCUM_STEPS)),
+    "float8_mf16": ("mixed_float16", dict(gradient_compression="float8",
+                                          accum_steps=ACCUM_STEPS)),
+    "zero_mf16": ("mixed_float16", dict(shard_optimizer_state=True, accum_steps=ACCUM_STEPS)),
+    "local_sgd_mf16": ("mixed_float16", dict(sync_every=LOCAL_CASES["local_sgd"][0],
+                                             accum_steps=ACCUM_STEPS)),
+    "diloco_mf16": ("mixed_float16", dict(sync_every=LOCAL_CASES["diloco"][0],
+                                          make_outer_optimizer=diloco_outer_optimizer,
+                                          accum_steps=ACCUM_STEPS)),
+}
+
+
+def _pair_cases(tfdp, strategy, counter):
+    import keras
+
+    results = {}
+    for name, (policy, arguments) in PAIR_CASES.items():
+        arguments = dict(arguments)
+        if callable(arguments.get("gradient_compression")):
+            arguments["gradient_compression"] = arguments["gradient_compression"](tfdp)
+        keras.config.set_dtype_policy(policy or "float32")
+        try:
+            results.update(_fit_case(tfdp, strategy, counter, name, make_optimizer=optimizer,
+                                     **arguments))
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return results
+
+
 #: name -> Trainer arguments of the per-replica-state resume cases.
 RESUME_CASES = {
     "topk_resume": lambda tfdp: dict(gradient_compression=tfdp.compression.TopK(fraction=0.05)),
@@ -689,6 +741,7 @@ def main(out_dir: str) -> None:
     timed("loss_forms", _loss_form_cases, tfdp, strategy)
     timed("compression", _compression_cases, tfdp, strategy, counter)
     timed("local", _local_cases, tfdp, strategy, counter)
+    timed("pairs", _pair_cases, tfdp, strategy, counter)
     timed("unequal", _unequal_shares_case, tfdp, strategy, counter)
     timed("validation", _validation_case, tfdp, strategy)
     timed("zero", _fit_case, tfdp, strategy, counter, "zero", make_optimizer=adamw_optimizer,
