@@ -102,10 +102,15 @@ class AffineCost:
             per worker.
         seconds_per_example: b_w, seconds per example of the share (> 0),
             one per worker.
+        relative_noise: the root mean square of the fit's residuals,
+            relative to the slowest worker's mean step seconds (0.05: the
+            windows scatter about 5% of a step around the model). Defaults
+            to 0.
     """
 
     fixed_seconds: tuple[float, ...]
     seconds_per_example: tuple[float, ...]
+    relative_noise: float = 0.0
 
     def step_seconds(self, plan: SharePlan) -> float:
         """The makespan of `plan` under this model, in seconds."""
@@ -205,7 +210,8 @@ def fit_affine_costs(shares: Sequence[Sequence[float]], seconds: Sequence[Sequen
             per-example model.
 
     Returns:
-        `(cost, f)`: the fitted `AffineCost`, and f if the points determined
+        `(cost, f)`: the fitted `AffineCost` (with the residuals'
+        `relative_noise`), and f if the points determined
         it (some worker's share varied by at least one example), else None.
     """
     num_workers = len(shares[0])
@@ -213,16 +219,22 @@ def fit_affine_costs(shares: Sequence[Sequence[float]], seconds: Sequence[Sequen
     varied = any(max(shares[i][w] for i in used) - min(shares[i][w] for i in used) >= 1
                  for w in range(num_workers))
 
+    total = sum(weights[i] for i in used)
+    # Residuals are relative to the slowest worker's mean step: the step's
+    # length, which the plan is for (a fast worker's few-microsecond jitter is
+    # no uncertainty about it).
+    scale = max(sum(weights[i] * seconds[i][w] for i in used) / total
+                for w in range(num_workers))
+
     def slopes(f):
         """Each worker's b_w for f, and the weighted relative squared residual."""
         b, residual = [], 0.0
         for w in range(num_workers):
             num = sum(weights[i] * seconds[i][w] * (f + shares[i][w]) for i in used)
             den = sum(weights[i] * (f + shares[i][w]) ** 2 for i in used)
-            mean = sum(weights[i] * seconds[i][w] for i in used) / sum(weights[i] for i in used)
             b.append(num / den)
             residual += sum(weights[i] * (seconds[i][w] - b[-1] * (f + shares[i][w])) ** 2
-                            for i in used) / mean ** 2
+                            for i in used) / scale ** 2
         return b, residual
 
     if varied:
@@ -234,8 +246,9 @@ def fit_affine_costs(shares: Sequence[Sequence[float]], seconds: Sequence[Sequen
     else:
         found = None
     f = found if found is not None else (fixed_examples or 0.0)
-    b, _ = slopes(f)
-    return AffineCost(tuple(f * bw for bw in b), tuple(b)), found
+    b, residual = slopes(f)
+    noise = math.sqrt(residual / (num_workers * total))
+    return AffineCost(tuple(f * bw for bw in b), tuple(b), noise), found
 
 
 class SharePlanner:
@@ -253,6 +266,13 @@ class SharePlanner:
     the right direction, less far than needed), and the fixed cost is kept
     once found, so a plan that then stays put does not lose it.
 
+    A new plan is on trial for one window: if the slowest worker's measured
+    step seconds are then no shorter than in the last window of the plan
+    before, the model was wrong (timings that do not follow the share, as
+    replicas that share one CPU), and the plan before comes back; no new
+    plan is then made for 2, 4, 8, ... (at most 32) windows, doubling with
+    each trial failed in a row.
+
     Args:
         global_batch: examples per step over all workers; every plan sums to it.
         num_workers: workers sharing each global batch.
@@ -262,10 +282,14 @@ class SharePlanner:
             (0, 1]: each older point weighs `1 - smoothing` times the next.
             Defaults to 0.3.
         min_gain: a new plan is adopted only when it predicts a step at least
-            this fraction shorter than the current plan's, so timing noise
-            does not move examples back and forth. Defaults to 0.05.
+            this fraction shorter than the current plan's, plus a margin for
+            the timings' noise (`required_gain`), so timing noise does not
+            move examples back and forth. Defaults to 0.05.
         minimum_share: see `plan_shares`. Defaults to 1.
         history: points kept for the fit. Defaults to 12.
+        confidence: the noise margin in standard errors: the predicted gain
+            must exceed `min_gain` by `confidence` times the standard error
+            of a ratio of two workers' fitted costs. Defaults to 2.
 
     Attributes:
         plan: the current `SharePlan`.
@@ -276,7 +300,7 @@ class SharePlanner:
 
     def __init__(self, *, global_batch: int, num_workers: int, replan_every: int = 20,
                  smoothing: float = 0.3, min_gain: float = 0.05, minimum_share: int = 1,
-                 history: int = 12):
+                 history: int = 12, confidence: float = 2.0):
         _check_sizes(global_batch, num_workers, minimum_share)
         _checks.check_int("replan_every", replan_every)
         _checks.check_int("history", history)
@@ -284,7 +308,9 @@ class SharePlanner:
             raise ValueError(f"`smoothing` must be in (0, 1]. Received: smoothing={smoothing!r}")
         if not 0 <= min_gain < 1:
             raise ValueError(f"`min_gain` must be in [0, 1). Received: min_gain={min_gain!r}")
+        _checks.check_float("confidence", confidence, minimum=0)
         self.plan = equal_plan(global_batch, num_workers)
+        self.confidence = float(confidence)
         self.replan_every = replan_every
         self.smoothing = smoothing
         self.min_gain = min_gain
@@ -292,6 +318,10 @@ class SharePlanner:
         self.points: collections.deque = collections.deque(maxlen=history)
         self.cost: AffineCost | None = None
         self.fixed_examples: float | None = None
+        self._weights: list[float] = []
+        self._trial: tuple[SharePlan, float] | None = None  # (plan before, its step)
+        self._failed_trials = 0
+        self._hold = 0  # windows left without planning
 
     @property
     def seconds_per_example(self) -> list[float] | None:
@@ -327,12 +357,31 @@ class SharePlanner:
             return
         self.points.append(([float(s) / steps for s in shares], [t / steps for t in seconds]))
         n = len(self.points)
-        weights = [(1 - self.smoothing) ** (n - 1 - i) for i in range(n)]
+        self._weights = weights = [(1 - self.smoothing) ** (n - 1 - i) for i in range(n)]
         self.cost, found = fit_affine_costs(
             [p[0] for p in self.points], [p[1] for p in self.points], weights,
             max_fixed_examples=8.0 * self.plan.global_batch, fixed_examples=self.fixed_examples)
         if found is not None:
             self.fixed_examples = found
+
+    def required_gain(self) -> float | None:
+        """The predicted gain a new plan needs now: `min_gain` plus the noise margin.
+
+        The fit's relative noise sigma, over n_eff = (sum of weights)^2 /
+        (sum of squared weights) windows, gives each worker's fitted cost a
+        relative standard error of about sigma / sqrt(n_eff - 1) (one
+        degree of freedom spent on the fit), and a ratio of two workers'
+        costs sqrt(2) times that. None with fewer than two windows: one
+        window says nothing of the noise, so no plan is made from it.
+        """
+        if self.cost is None or len(self.points) < 2:
+            return None
+        total = sum(self._weights)
+        n_eff = total ** 2 / sum(w * w for w in self._weights)
+        if n_eff <= 1:
+            return None
+        error = self.cost.relative_noise * math.sqrt(2.0 / (n_eff - 1))
+        return self.min_gain + self.confidence * error
 
     def maybe_replan(self, step: int) -> SharePlan | None:
         """Every `replan_every` steps, the plan for the speeds seen so far, if it is worth it.
@@ -349,18 +398,32 @@ class SharePlanner:
         """The plan for the speeds seen so far, now, if it is worth it (`maybe_replan` without the cadence).
 
         Returns:
-            The new plan (now also `self.plan`), or None: no timings yet, or
-            a predicted makespan less than `min_gain` shorter than the
-            current plan's under the same model.
+            The new plan (now also `self.plan`; the plan before when a trial
+            failed), or None: fewer than two windows timed, a hold after a
+            failed trial, or a predicted makespan less than `required_gain()`
+            shorter than the current plan's under the same model.
         """
-        if self.cost is None:
+        if self._trial is not None:
+            before, before_seconds = self._trial
+            self._trial = None
+            if max(self.points[-1][1]) >= before_seconds:
+                self._failed_trials += 1
+                self._hold = 2 ** min(self._failed_trials, 5)
+                self.plan = before
+                return before
+            self._failed_trials = 0
+        if self._hold:
+            self._hold -= 1
+            return None
+        needed = self.required_gain()
+        if needed is None:
             return None
         candidate = plan_shares(self.plan.global_batch, self.cost.seconds_per_example,
                                 fixed_seconds=self.cost.fixed_seconds,
                                 minimum_share=self.minimum_share)
         current = self.cost.step_seconds(self.plan)
-        if candidate == self.plan or self.cost.step_seconds(candidate) > (
-                1 - self.min_gain) * current:
+        if candidate == self.plan or self.cost.step_seconds(candidate) > (1 - needed) * current:
             return None
+        self._trial = (self.plan, max(self.points[-1][1]))
         self.plan = candidate
         return candidate
