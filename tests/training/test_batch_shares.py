@@ -206,17 +206,3 @@ def test_bad_arguments_are_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
-
-def test_a_plan_whose_step_is_no_shorter_is_taken_back():
-    """Timings that do not follow the share (replicas sharing one CPU): worker 0 always twice as long."""
-    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
-    plans = []
-    for window in range(1, 201):
-        planner.observe([0.4, 0.2], [640, 640], steps=20)  # whatever the shares
-        planner.maybe_replan(window)
-        plans.append(planner.plan.shares)
-    on_trial = [i for i, p in enumerate(plans) if p != (32, 32)]
-    # Each trial lasts one window; trials fail in a row, so the holds double (2, 4, ... 32).
-    assert 3 <= len(on_trial) <= 9, on_trial
-    assert all(b - a >= 3 for a, b in zip(on_trial, on_trial[1:])), on_trial
-    assert plans[-1] == (32, 32)

@@ -266,13 +266,6 @@ class SharePlanner:
     the right direction, less far than needed), and the fixed cost is kept
     once found, so a plan that then stays put does not lose it.
 
-    A new plan is on trial for one window: if the slowest worker's measured
-    step seconds are then no shorter than in the last window of the plan
-    before, the model was wrong (timings that do not follow the share, as
-    replicas that share one CPU), and the plan before comes back; no new
-    plan is then made for 2, 4, 8, ... (at most 32) windows, doubling with
-    each trial failed in a row.
-
     Args:
         global_batch: examples per step over all workers; every plan sums to it.
         num_workers: workers sharing each global batch.
@@ -319,9 +312,6 @@ class SharePlanner:
         self.cost: AffineCost | None = None
         self.fixed_examples: float | None = None
         self._weights: list[float] = []
-        self._trial: tuple[SharePlan, float] | None = None  # (plan before, its step)
-        self._failed_trials = 0
-        self._hold = 0  # windows left without planning
 
     @property
     def seconds_per_example(self) -> list[float] | None:
@@ -398,23 +388,11 @@ class SharePlanner:
         """The plan for the speeds seen so far, now, if it is worth it (`maybe_replan` without the cadence).
 
         Returns:
-            The new plan (now also `self.plan`; the plan before when a trial
-            failed), or None: fewer than two windows timed, a hold after a
-            failed trial, or a predicted makespan less than `required_gain()`
-            shorter than the current plan's under the same model.
+            The new plan (now also `self.plan`), or None: fewer than two
+            windows timed, or a predicted makespan less than
+            `required_gain()` shorter than the current plan's under the same
+            model.
         """
-        if self._trial is not None:
-            before, before_seconds = self._trial
-            self._trial = None
-            if max(self.points[-1][1]) >= before_seconds:
-                self._failed_trials += 1
-                self._hold = 2 ** min(self._failed_trials, 5)
-                self.plan = before
-                return before
-            self._failed_trials = 0
-        if self._hold:
-            self._hold -= 1
-            return None
         needed = self.required_gain()
         if needed is None:
             return None
@@ -424,6 +402,5 @@ class SharePlanner:
         current = self.cost.step_seconds(self.plan)
         if candidate == self.plan or self.cost.step_seconds(candidate) > (1 - needed) * current:
             return None
-        self._trial = (self.plan, max(self.points[-1][1]))
         self.plan = candidate
         return candidate
