@@ -68,7 +68,8 @@ class BalanceOptions:
             in the fit of each replica's step seconds (each older window
             weighs `1 - smoothing` times the next), in (0, 1]. Defaults to 0.3.
         min_gain: a new plan is adopted only when it predicts a step at
-            least this fraction shorter, in [0, 1). Defaults to 0.05.
+            least this fraction shorter, plus a margin for the timings'
+            noise (`SharePlanner.required_gain`), in [0, 1). Defaults to 0.05.
     """
 
     replan_every: int | None = 20
