@@ -172,7 +172,31 @@ flags.DEFINE_integer("log_every", None, "--loop=fit: a progress line (when stdou
                      "terminal) and TensorBoard scalars every N optimizer steps (default: every "
                      "--steps_per_loop).")
 
+flags.DEFINE_bool("balance_batches", False, "Not available in tfdp-train yet (exits 2): "
+                  "each worker's share of every global batch following its speed needs every "
+                  "worker to read whole global batches; use tfdp.compile(..., "
+                  "balance_batches=True) or tfdp.Trainer(balance_batches=True) in Python.")
+
 FLAGS = flags.FLAGS
+
+
+def check_unavailable_flags() -> None:
+    """Refuses, by name, flags the library has and the CLI cannot run yet.
+
+    Raises:
+        run_config.ConfigError: `--balance_batches` was passed. Balancing
+            needs every worker to read whole global batches in the same
+            seekable global order (each worker cuts its share inside the
+            step), and the CLI's input is sharded per worker
+            (`pipelines.make_dataset(strategy=...)`).
+    """
+    if FLAGS.balance_batches:
+        raise run_config.ConfigError(
+            "--balance_batches is not available in tfdp-train yet: its input is sharded per "
+            "worker, and balancing needs every worker to read whole global batches. Use "
+            "tfdp.compile(model, ..., balance_batches=True) or "
+            "tfdp.Trainer(..., balance_batches=True) in Python, with a tf.data.Dataset of "
+            "global batches that is the same on every worker.")
 
 
 def config_from_flags() -> run_config.RunConfig:
@@ -385,6 +409,7 @@ def main(argv: Sequence[str]) -> None:
     clock.record("imports", clock.elapsed())
     try:
         with clock.phase("checks"):
+            check_unavailable_flags()
             config = config_from_flags()
             _check_names(config)
             described = _check_inputs(config)

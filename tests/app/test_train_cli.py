@@ -29,6 +29,10 @@ from tfdp.app import train as train_cli
         (["--model=cnn", "--sync_bn"], "--sync_bn: model 'cnn' has no BatchNormalization"),
         (["--model=transformer", "--sync_bn"], "Models that take --sync_bn: resnet20"),
         (["--model=mlp", "--remat"], "--remat: model 'mlp' has no blocks to recompute"),
+        (["--balance_batches"], "--balance_batches is not available in tfdp-train yet: its "
+         "input is sharded per worker, and balancing needs every worker to read whole global "
+         "batches. Use tfdp.compile(model, ..., balance_batches=True) or "
+         "tfdp.Trainer(..., balance_batches=True) in Python"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):

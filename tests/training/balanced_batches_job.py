@@ -28,8 +28,8 @@ FIXED_PLAN = (11, 5)
 WIDE_FEATURES = 256
 WIDE_UNITS = 512
 WIDE_BATCH = 64
-WIDE_STEPS = 90
-REPLAN_EVERY = 5
+WIDE_STEPS = 300
+REPLAN_EVERY = 20
 
 
 def data(steps, batch, features, seed):
@@ -97,7 +97,11 @@ def main(out_dir: str) -> None:
     results["moving_plan"] = balance.plan.numpy()
     results["moving_seconds_per_example"] = np.array(balance.planner.seconds_per_example)
     print(f"rank {rank}: plans {balance.history}, seconds per example "
-          f"{balance.planner.seconds_per_example}", flush=True)
+          f"{balance.planner.seconds_per_example}, fixed seconds "
+          f"{balance.planner.fixed_seconds}, noise {balance.planner.cost.relative_noise:.3f}, "
+          f"windows (shares, ms per step) "
+          f"{[([round(s, 1) for s in p], [round(1000 * t, 2) for t in q]) for p, q in balance.planner.points]}",
+          flush=True)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,32 +2,43 @@
 
 import itertools
 
+import numpy as np
 import pytest
 
 from tfdp.training import batch_shares
 
 
-def _brute_force_makespan(global_batch, costs, minimum_share):
-    """The smallest max(s_w * c_w) over every integer split (small cases only)."""
-    best = float("inf")
+def _brute_force(global_batch, costs, minimum_share, fixed=None):
+    """The smallest max_w(a_w + s_w * b_w) over every integer split, and a split reaching it."""
+    costs = np.asarray(costs, float)
+    fixed = np.zeros_like(costs) if fixed is None else np.asarray(fixed, float)
+    best, best_split = float("inf"), None
     n = len(costs)
     for head in itertools.product(range(minimum_share, global_batch + 1), repeat=n - 1):
         last = global_batch - sum(head)
         if last < minimum_share:
             continue
-        best = min(best, max(s * c for s, c in zip((*head, last), costs)))
-    return best
+        split = np.array((*head, last))
+        makespan = float(np.max(fixed + split * costs))
+        if makespan < best:
+            best, best_split = makespan, tuple(int(s) for s in split)
+    return best, best_split
 
 
-@pytest.mark.parametrize("global_batch,costs,minimum_share", [
-    (16, [1.0, 2.0], 1), (17, [1.0, 1.0, 3.0], 1), (12, [0.3, 0.7, 0.5], 2),
-    (9, [1.0, 10.0], 1), (9, [1.0, 100.0], 3), (20, [2.0, 2.0, 2.0, 1.0], 1),
+@pytest.mark.parametrize("global_batch,costs,fixed,minimum_share", [
+    (16, [1.0, 2.0], None, 1), (17, [1.0, 1.0, 3.0], None, 1), (12, [0.3, 0.7, 0.5], None, 2),
+    (9, [1.0, 10.0], None, 1), (9, [1.0, 100.0], None, 3), (20, [2.0, 2.0, 2.0, 1.0], None, 1),
+    (16, [1.0, 2.0], [8.0, 16.0], 1), (16, [1.0, 1.0], [0.0, 9.0], 1),
+    (17, [1.0, 1.5, 3.0], [20.0, 1.0, 5.0], 1), (12, [0.3, 0.7, 0.5], [4.0, 0.0, 2.5], 2),
+    (9, [1.0, 1.0], [30.0, 0.0], 1),
 ])
-def test_plan_is_a_partition_with_the_smallest_makespan(global_batch, costs, minimum_share):
-    plan = batch_shares.plan_shares(global_batch, costs, minimum_share=minimum_share)
+def test_plan_is_a_partition_with_the_smallest_makespan(global_batch, costs, fixed,
+                                                        minimum_share):
+    plan = batch_shares.plan_shares(global_batch, costs, fixed_seconds=fixed,
+                                    minimum_share=minimum_share)
     assert plan.global_batch == global_batch and min(plan.shares) >= minimum_share
-    assert plan.step_seconds(costs) == pytest.approx(
-        _brute_force_makespan(global_batch, costs, minimum_share))
+    assert plan.step_seconds(costs, fixed) == pytest.approx(
+        _brute_force(global_batch, costs, minimum_share, fixed)[0])
     # The slices tile the global batch in worker order, each example once.
     covered = [i for w in range(plan.num_workers) for i in range(*plan.slice_of(w))]
     assert covered == list(range(global_batch))
@@ -35,35 +46,114 @@ def test_plan_is_a_partition_with_the_smallest_makespan(global_batch, costs, min
 
 def test_half_speed_worker_gets_a_third_and_equal_speeds_the_equal_split():
     assert batch_shares.plan_shares(64, [0.01, 0.02]).shares == (43, 21)
+    # Its fixed cost doubled too (a throttled CPU), it gets less: 32 + s0 = 2 (32 + s1).
+    assert batch_shares.plan_shares(64, [0.01, 0.02], fixed_seconds=[0.32, 0.64]).shares in {
+        (53, 11), (54, 10)}
     for global_batch, workers in ((64, 2), (65, 2), (10, 4)):
         equal = batch_shares.equal_plan(global_batch, workers)
         assert batch_shares.plan_shares(global_batch, [0.5] * workers) == equal
+        assert batch_shares.plan_shares(global_batch, [0.5] * workers,
+                                        fixed_seconds=[9.0] * workers) == equal
     assert batch_shares.equal_plan(10, 4).shares == (3, 3, 2, 2)
 
 
-def _simulate(planner, true_costs, overhead, steps):
-    """Runs `steps` steps of a stand-in speed plan; returns the plans adopted, by step."""
-    adopted = {}
-    for step in range(1, steps + 1):
-        shares = planner.plan.shares
-        planner.observe([overhead + s * c for s, c in zip(shares, true_costs)], shares)
-        new = planner.maybe_replan(step)
+@pytest.mark.parametrize("fixed_examples", [0.0, 5.0, 40.0])
+def test_fit_matches_numpy_least_squares_on_affine_timings(fixed_examples):
+    """Noise-free windows of a_w + b_w * s (a_w = f * b_w): the fit is NumPy's per-worker line."""
+    b = np.array([0.001, 0.0023, 0.0017])
+    shares = np.array([[22, 21, 21], [30, 10, 24], [26, 18, 20], [28, 14, 22]], float)
+    seconds = fixed_examples * b + shares * b
+    cost, found = batch_shares.fit_affine_costs(shares.tolist(), seconds.tolist(),
+                                                [1.0] * len(shares), max_fixed_examples=512)
+    assert found == pytest.approx(fixed_examples, rel=0.05, abs=0.02)
+    for w in range(3):
+        (a_ref, b_ref), *_ = np.linalg.lstsq(np.stack([np.ones(4), shares[:, w]], 1),
+                                             seconds[:, w], rcond=None)
+        assert cost.fixed_seconds[w] == pytest.approx(a_ref, rel=0.05, abs=1e-4)
+        assert cost.seconds_per_example[w] == pytest.approx(b_ref, rel=0.05)
+    # One share per worker cannot tell a from b: the given f (or 0) is used, and reported unfound.
+    cost, found = batch_shares.fit_affine_costs(shares[:1].tolist(), seconds[:1].tolist(), [1.0],
+                                                max_fixed_examples=512, fixed_examples=7.0)
+    assert found is None
+    np.testing.assert_allclose(np.array(cost.fixed_seconds) / cost.seconds_per_example, 7.0)
+    np.testing.assert_allclose(cost.fixed_seconds + shares[0] * cost.seconds_per_example,
+                               seconds[0])
+
+
+def _simulate(planner, fixed, costs, windows, *, steps=20, noise=0.0, seed=0):
+    """Windows of a stand-in speed plan: worker w's step takes a_w + b_w * s_w seconds.
+
+    Each window's summed seconds get a multiplicative Gaussian noise of
+    `noise` (relative). Returns `{window: shares}` of the plans adopted, and
+    the true makespan of every window's plan.
+    """
+    rng = np.random.default_rng(seed)
+    adopted, makespans = {}, []
+    fixed, costs = np.asarray(fixed), np.asarray(costs)
+    for window in range(1, windows + 1):
+        shares = np.array(planner.plan.shares)
+        makespans.append(float(np.max(fixed + costs * shares)))
+        seconds = (fixed + costs * shares) * steps * (1 + noise * rng.standard_normal(len(shares)))
+        planner.observe(seconds.tolist(), (shares * steps).tolist(), steps=steps)
+        new = planner.maybe_replan(window)
         if new is not None:
-            adopted[step] = new.shares
-    return adopted
+            adopted[window] = new.shares
+    return adopted, makespans
 
 
-def test_planner_moves_examples_to_the_fast_worker_then_holds_still():
-    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=10)
-    adopted = _simulate(planner, true_costs=[0.001, 0.002], overhead=0.0, steps=100)
-    assert adopted == {10: (43, 21)}  # one re-plan, then noise-free timings change nothing
-    # With a fixed per-step overhead the per-example estimate is biased at
-    # first; re-planning corrects it within a few plannings and then stops.
-    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=10)
-    adopted = _simulate(planner, true_costs=[0.001, 0.002], overhead=0.005, steps=200)
-    final = planner.plan.shares
-    assert abs(final[0] - 43) <= 2 and len(adopted) <= 4
-    assert max(adopted) <= 60  # settled early
+def test_equal_workers_with_a_large_fixed_cost_keep_or_regain_the_equal_split():
+    """The drift case: a fixed cost per step as large as the share's compute."""
+    fixed, costs = [0.032, 0.032], [0.001, 0.001]
+    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
+    adopted, _ = _simulate(planner, fixed, costs, windows=50)
+    assert adopted == {} and planner.plan.shares == (32, 32)
+    # From an unequal start, the smaller share looks slower per example, so a
+    # per-example model comes back only part of the way each planning ...
+    start = (40, 24)
+    per_example = [(a + b * s) / s for a, b, s in zip(fixed, costs, start)]
+    assert batch_shares.plan_shares(64, per_example).shares == (36, 28)
+    # ... the affine model finds the fixed cost as soon as a share changes, and comes back.
+    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
+    planner.plan = batch_shares.SharePlan(start)
+    adopted, _ = _simulate(planner, fixed, costs, windows=50)
+    assert planner.plan.shares == (32, 32) and len(adopted) <= 3 and max(adopted) <= 3, adopted
+    assert planner.fixed_examples == pytest.approx(32, rel=0.05)
+
+
+@pytest.mark.parametrize("fixed,costs", [
+    ([0.032, 0.064], [0.001, 0.002]),  # throttled: fixed and per-example cost both doubled
+    ([0.0, 0.0], [0.001, 0.002]),  # no fixed cost
+    ([0.016, 0.016], [0.001, 0.002]),  # the fixed cost the same in seconds: a model misfit
+    ([0.01, 0.01, 0.03], [0.001, 0.0015, 0.003]),
+])
+def test_a_slower_worker_gets_the_plan_of_the_smallest_makespan(fixed, costs):
+    workers = len(costs)
+    planner = batch_shares.SharePlanner(global_batch=16 * workers, num_workers=workers,
+                                        replan_every=2)
+    adopted, makespans = _simulate(planner, fixed, costs, windows=40)
+    best, best_split = _brute_force(16 * workers, costs, 1, fixed)
+    assert makespans[-1] <= 1.02 * best, (adopted, best_split)
+    assert max(adopted) <= 10, adopted  # settled within a few plannings
+    assert makespans[-1] < makespans[0]  # the equal split was not already the best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_timing_noise_does_not_make_the_plan_wander(seed):
+    """5% noise on every window's seconds, 200 windows."""
+    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
+    adopted, _ = _simulate(planner, [0.032, 0.032], [0.001, 0.001], windows=200, noise=0.05,
+                           seed=seed)
+    assert len(adopted) <= 4, adopted
+    assert all(abs(shares[0] - 32) <= 5 for shares in adopted.values()), adopted
+    # With a straggler, noise leaves it near the smallest makespan, moving rarely.
+    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
+    fixed, costs = [0.032, 0.064], [0.001, 0.002]
+    adopted, makespans = _simulate(planner, fixed, costs, windows=200, noise=0.05, seed=seed)
+    best, _ = _brute_force(64, costs, 1, fixed)
+    assert len(adopted) <= 6, adopted
+    # Within 10% of the best: the noise margin keeps a plan close to it.
+    assert np.mean(makespans[100:]) <= 1.10 * best, adopted
+    assert np.mean(makespans[100:]) <= makespans[0] / 1.3
 
 
 def test_planner_ignores_small_gains_and_bad_timings():
@@ -95,6 +185,9 @@ def test_every_worker_computes_the_same_plan_from_the_same_timings():
     (lambda: batch_shares.plan_shares(3, [1.0, 1.0], minimum_share=2), "at least 4"),
     (lambda: batch_shares.plan_shares(8, [1.0, 0.0]), "positive, finite"),
     (lambda: batch_shares.plan_shares(8, []), "positive, finite"),
+    (lambda: batch_shares.plan_shares(8, [1.0, 1.0], fixed_seconds=[-1.0, 0.0]),
+     "fixed_seconds"),
+    (lambda: batch_shares.plan_shares(8, [1.0, 1.0], fixed_seconds=[1.0]), "fixed_seconds"),
     (lambda: batch_shares.plan_shares(0, [1.0]), "global_batch"),
     (lambda: batch_shares.SharePlan((3, 0)), "positive integers"),
     (lambda: batch_shares.equal_plan(8, True), "num_workers"),
@@ -106,8 +199,10 @@ def test_every_worker_computes_the_same_plan_from_the_same_timings():
      "min_gain"),
     (lambda: batch_shares.SharePlanner(global_batch=8, num_workers=2).observe([1.0], [8]),
      "one value per worker"),
+    (lambda: batch_shares.SharePlanner(global_batch=8, num_workers=2, history=0), "history"),
     (lambda: batch_shares.SharePlan((4, 4)).slice_of(2), "worker"),
 ])
 def test_bad_arguments_are_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+

@@ -25,10 +25,12 @@ synchronous step (issue 35, item 2):
 - **the re-planner** (`after_steps`, run between executions by `Replanner`,
   a Keras callback `fit` runs, and by `tfdp.Trainer`'s loops): every
   `replan_every` steps, at the end of an execution of the train function, it
-  reads the accumulated seconds and examples, feeds their ratio (seconds per
-  example, over the window) to a `tfdp.training.batch_shares.SharePlanner`
-  (an exponential moving average; a new plan only when it predicts a step at
-  least `min_gain` shorter) and assigns the plan variable. Every worker reads
+  reads the accumulated seconds, examples and steps, feeds the window's mean
+  share and mean seconds per step to a
+  `tfdp.training.batch_shares.SharePlanner` (an affine model, seconds =
+  a fixed cost per step + a cost per example x share, fitted to the recent
+  windows, the newest weighted most; a new plan only when it predicts a step
+  at least `min_gain` shorter) and assigns the plan variable. Every worker reads
   the same all-reduced sums at the same step, so every worker computes the
   same plan with no collective. The first execution's timings (warm-up) are
   dropped.
@@ -62,10 +64,12 @@ class BalanceOptions:
         shares: the first plan, one positive share per replica (in replica
             order; their sum is the plan's resolution, usually the global
             batch), or `None`: equal shares. Defaults to `None`.
-        smoothing: weight of the newest window in each replica's moving
-            average of seconds per example, in (0, 1]. Defaults to 0.3.
+        smoothing: weight of the newest window against the one before it
+            in the fit of each replica's step seconds (each older window
+            weighs `1 - smoothing` times the next), in (0, 1]. Defaults to 0.3.
         min_gain: a new plan is adopted only when it predicts a step at
-            least this fraction shorter, in [0, 1). Defaults to 0.05.
+            least this fraction shorter, plus a margin for the timings'
+            noise (`SharePlanner.required_gain`), in [0, 1). Defaults to 0.05.
     """
 
     replan_every: int | None = 20
@@ -236,8 +240,9 @@ class BalancedBatches:
         before = tuple(int(s) for s in self.plan.numpy())
         new = self.replan()
         if new is not None and log:
-            logging.info("tfdp: balanced batches after step %d: shares %s -> %s (seconds per "
-                         "example %s)", self.steps, before, new.shares,
+            logging.info("tfdp: balanced batches after step %d: shares %s -> %s (step seconds "
+                         "a + b x share: a %s, b %s)", self.steps, before, new.shares,
+                         [f"{a:.3g}" for a in self.planner.fixed_seconds],
                          [f"{c:.3g}" for c in self.planner.seconds_per_example])
         return new
 
@@ -272,7 +277,8 @@ class BalancedBatches:
                 global_batch=global_batch, num_workers=r, replan_every=1,
                 smoothing=self.options.smoothing, min_gain=self.options.min_gain)
             self.planner.plan = batch_shares.SharePlan(tuple(current))
-        self.planner.observe([float(s) for s in seconds], [int(round(e)) for e in examples])
+        self.planner.observe([float(s) for s in seconds], [float(e) for e in examples],
+                             steps=int(round(float(steps))))
         new = self.planner.replan()
         if new is not None:
             self.plan.assign(new.shares)
