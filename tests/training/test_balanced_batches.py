@@ -220,13 +220,19 @@ def slow_model():
     ])
 
 
-@pytest.mark.slow
-def test_replanner_moves_examples_to_the_faster_replica_and_keeps_a_partition(two_replicas):
+def slow_data():
+    """`(x, y)` for `slow_model`: feature 0 is each example's id (for `SeenIds`)."""
     rng = np.random.default_rng(1)
     n = GLOBAL_BATCH * SLOW_STEPS
     x = rng.normal(size=(n, SLOW_FEATURES)).astype("float32")
     x[:, 0] = np.arange(n)
-    y = rng.integers(0, 4, n)
+    return x, rng.integers(0, 4, n)
+
+
+@pytest.mark.slow
+def test_replanner_moves_examples_to_the_faster_replica_and_keeps_a_partition(two_replicas):
+    x, y = slow_data()
+    n = len(x)
     m, _ = balanced_fit(two_replicas, balanced_batches.BalanceOptions(replan_every=5),
                         epochs=1, data=dataset(x, y), build=slow_model)
     balance = m.tfdp_balanced_batches
@@ -367,11 +373,8 @@ def test_trainer_with_a_fixed_unequal_plan_equals_one_device(two_replicas, steps
 
 @pytest.mark.slow
 def test_trainer_replans_on_a_real_slowdown(two_replicas):
-    rng = np.random.default_rng(1)
-    n = GLOBAL_BATCH * SLOW_STEPS
-    x = rng.normal(size=(n, SLOW_FEATURES)).astype("float32")
-    x[:, 0] = np.arange(n)
-    y = rng.integers(0, 4, n)
+    x, y = slow_data()
+    n = len(x)
     with two_replicas.scope():
         m = slow_model()
         t = tfdp.Trainer(m, optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss(),
