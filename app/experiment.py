@@ -30,6 +30,7 @@ from tfdp.training import lr_schedules
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import replica_state
 from tfdp import optimizers as tfdp_optimizers
+from tfdp import pipelines
 from tfdp.distribute import config_check
 from tfdp.distribute import strategy as strategy_lib
 from tfdp.distribute import devices
@@ -277,7 +278,9 @@ def train_and_evaluate(
         # order, and a resumed run must see exactly the batches the straight
         # run saw. `train_data` is handed out once, for epoch 0.
         if epoch == 0 and unused:
-            return unused.pop()
+            first = unused.pop()
+            # Planned only (build_dataset may skip building epoch 0 for a stream).
+            return first.distribute() if isinstance(first, pipelines.PlannedDataset) else first
         return build_dataset(TRAIN, training=True, strategy=strategy, batch=batch,
                              seed=epoch_seed(config.seed, epoch))[0]
 

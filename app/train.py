@@ -292,6 +292,9 @@ def _build_dataset(config: run_config.RunConfig, before=None):
             source, split=split, strategy=strategy, batch=batch,
             training=training, seed=seed, data_dir=config.data_dir,
             preprocess=plan.preprocess(source_info.features, training=training),
+            # The run iterates a training stream, not epoch 0's dataset, where
+            # it can: planned only, epoch 0 is built if it is asked for.
+            distribute=not training,
         )
         info = dataset.pipeline_info
         feature_spec = info.element_spec[0]

@@ -15,6 +15,7 @@ import os as _os
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from tfdp.pipelines.shape_check import check_model_compatible  # noqa: E402
+from tfdp.pipelines.distributed_dataset import PlannedDataset  # noqa: E402
 from tfdp.pipelines.distributed_dataset import make_dataset  # noqa: E402
 from tfdp.pipelines.pipeline_info import PipelineInfo  # noqa: E402
 from tfdp.pipelines.digits import default_data_dir  # noqa: E402
@@ -50,6 +51,7 @@ __all__ = [
     "INFINITE",
     "known_sources",
     "make_dataset",
+    "PlannedDataset",
     "normalize_images",
     "pad_tokens",
     "PipelineInfo",

@@ -578,3 +578,4 @@ def test_pipeline_maps_and_batches_in_parallel_and_prefetches_last(where, traini
     parallel_map = names.index("ParallelMapDatasetV2")
     assert ops[parallel_map][1][-1] == autotune
     assert "MapDataset" not in names[:parallel_map] and "BatchDatasetV2" not in names
+

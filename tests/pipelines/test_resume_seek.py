@@ -327,3 +327,36 @@ def test_a_stream_converts_your_preprocess_with_autograph(digits_dir):
         even = y % 2 == 0
         assert even.any() and (~even).any()
         assert not x[even].any() and x[~even].any(axis=(1, 2, 3)).all()
+
+
+# Each strategy kind whose input pipelines make_dataset plans without building.
+PLANNED_CASES = ["default", "one_device", "mirrored2", "multiworker_local2"]
+
+
+@pytest.mark.parametrize("strategy_name", PLANNED_CASES)
+def test_a_planned_dataset_builds_nothing_until_asked_then_what_make_dataset_builds(
+        strategy_name, monkeypatch):
+    strategy = get_strategy(strategy_name)
+    built = []
+    build = pipeline_lib.InputPipeline.build
+    monkeypatch.setattr(pipeline_lib.InputPipeline, "build",
+                        lambda self, *a, **k: built.append(1) or build(self, *a, **k))
+
+    def make(**kwargs):
+        return pipelines.make_dataset(IndexedIds(37, Counter()), strategy=strategy,
+                                      global_batch=8, seed=3, **kwargs)
+
+    eager = make()
+    built.clear()
+    planned = make(distribute=False)
+    assert isinstance(planned, pipelines.PlannedDataset)
+    assert not built, "planning built an input pipeline"
+    assert planned.pipeline_info == eager.pipeline_info
+    assert (planned.steps_per_epoch, planned.num_examples, planned.streams_epochs) == (
+        eager.steps_per_epoch, eager.num_examples, eager.streams_epochs) == (4, 37, True)
+    assert real_ids(collect(planned.epoch_stream(1, 2, num_epochs=2), strategy)) == real_ids(
+        collect(eager.epoch_stream(1, 2, num_epochs=2), strategy))
+    dataset = planned.distribute()
+    assert planned.distribute() is dataset  # built once
+    assert dataset.streams_epochs and dataset.pipeline_info == eager.pipeline_info
+    assert real_ids(collect(dataset, strategy)) == real_ids(collect(eager, strategy))

@@ -245,8 +245,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`dataset` must be a callable epoch -> tf.data.Dataset or a "
                 f"tf.data.Dataset. Received: {type(dataset).__name__}"
             )
+        # A stream is planned, not necessarily built (make_dataset(..., distribute=False)).
         first = dataset if epoch_stream is not None else dataset_fn(0)
-        if not isinstance(first, datasets):
+        if epoch_stream is None and not isinstance(first, datasets):
             raise TypeError(
                 "`dataset` must return a tf.data.Dataset of global batches (or a "
                 "distributed dataset, e.g. from pipelines.make_dataset). "
