@@ -28,7 +28,7 @@ TFDP_PATHS = ("tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_powersgd", "tfdp_fit_topk",
               "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco")
 #: Steps between synchronisations of the local-step paths (`tfdp.bench.throughput`'s spec).
 SYNC_EVERY = {"local_sgd": 8, "diloco": 16}
-DDP_HOOKS = ("fp16", "powersgd")
+DDP_HOOKS = ("fp16", "powersgd", "local_sgd")
 
 
 #: The paths of the MLP launch: every tfdp exchange and the no-all-reduce loop.
@@ -70,7 +70,8 @@ _TFDP_COMPRESSION = {"tfdp_fit": "none", "tfdp_fit_bf16": "bfloat16",
                      "tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
                      "tfdp_fit_float8": "float8", "tfdp_fit_local_sgd": "local_sgd",
                      "tfdp_fit_diloco": "diloco"}
-_DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd"}  # 2 B/value
+_DDP_COMPRESSION = {"none": "none", "fp16": "bfloat16", "powersgd": "powersgd",  # 2 B/value
+                    "local_sgd": "local_sgd"}  # the weights every SYNC_EVERY["local_sgd"] steps
 
 
 def summarize_mlp(runs: dict | None, *, rank: int = 4, fraction: float = 0.01) -> dict:
@@ -115,7 +116,8 @@ def run_ddp_hooks(*, per_replica_batch: int, steps: int, repeats: int, threads: 
     for hook in DDP_HOOKS:
         rows[hook] = peer_torch.run(workers=(2,), per_replica_batch=per_replica_batch,
                                     steps=steps, repeats=repeats, threads=threads,
-                                    timeout=timeout, hook=hook, rank=rank)["workers"]["2"]
+                                    timeout=timeout, hook=hook, rank=rank,
+                                    period=SYNC_EVERY["local_sgd"])["workers"]["2"]
     return {"status": "ok", "rows": rows}
 
 

@@ -20,7 +20,14 @@ one of DDP's communication hooks, PyTorch's counterparts of tfdp's
 `"powersgd"` (`powerSGD_hook` with `PowerSGDState(matrix_approximation_rank=
 rank, start_powerSGD_iter=2, min_compression_rate=2)`, error feedback and warm
 start on; PyTorch needs at least 2 uncompressed iterations with them, which
-the warm-up round covers).
+the warm-up round covers), or `"local_sgd"`: PyTorch's post-local SGD, the
+counterpart of tfdp's `sync_every` (`post_localSGD_hook` from step 0 with
+`post_local_gradient_allreduce=False`, so no gradient is exchanged, and
+`PostLocalSGDOptimizer` with a `PeriodicModelAverager(period)`, which
+all-reduces the parameters every `period` steps; like tfdp's local SGD it
+never averages the momentum buffers). PyTorch's averager counts from 0, so
+it averages after steps 1, 1 + period, ... where tfdp syncs after steps
+period, 2 period, ...: the same bytes per step, a window's phase apart.
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ import time
 from tfdp.bench import procs
 
 _DEFAULTS = {"per_replica_batch": 64, "steps": 100, "repeats": 3, "threads": 1,
-             "channels_last": True, "hook": "none", "rank": 4}
+             "channels_last": True, "hook": "none", "rank": 4, "period": 8}
 #: DDP communication hooks `measure` can register (see the module docstring).
-HOOKS = ("none", "fp16", "powersgd")
+HOOKS = ("none", "fp16", "powersgd", "local_sgd")
 
 
 def torch_missing_reason() -> str | None:
@@ -68,8 +75,8 @@ def measure(spec: dict) -> dict:
     Args:
         spec: `port` (the rendezvous port), and optionally `per_replica_batch`
             (64), `steps` (100), `repeats` (3), `threads` (1), `channels_last`
-            (True), `hook` (one of `HOOKS`, "none") and `rank` (4, for
-            "powersgd").
+            (True), `hook` (one of `HOOKS`, "none"), `rank` (4, for
+            "powersgd") and `period` (8, for "local_sgd").
 
     Returns:
         `{"world_size", "global_batch", "images_per_second" (best),
@@ -87,7 +94,8 @@ def measure(spec: dict) -> dict:
         memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
         model = wrap_ddp(build_torch_cnn().to(memory_format=memory_format), spec["hook"],
                          spec["rank"])
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        optimizer = make_optimizer(model, spec["hook"], lr=0.01, momentum=0.9,
+                                   period=spec["period"])
         loss_fn = torch.nn.CrossEntropyLoss()
         batch = spec["per_replica_batch"]
         height, width, channels = workloads.IMAGE_SHAPE
@@ -125,6 +133,7 @@ def measure(spec: dict) -> dict:
         "parameters": parameters,
         "torch_version": torch.__version__,
         "hook": spec["hook"],
+        **({"period": spec["period"]} if spec["hook"] == "local_sgd" else {}),
         "channels_last": spec["channels_last"],
         "images_per_second": max(samples),
         "median_images_per_second": statistics.median(samples),
@@ -182,11 +191,33 @@ def register_hook(model, hook: str, rank: int) -> None:
             min_compression_rate=2, use_error_feedback=True, warm_start=True,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook == "local_sgd":  # no gradient exchange; make_optimizer's averager syncs
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+
+        state = post_localSGD_hook.PostLocalSGDState(
+            process_group=None, subgroup=None, start_localSGD_iter=0,
+            post_local_gradient_allreduce=False)
+        model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+
+
+def make_optimizer(model, hook: str, *, lr: float, momentum: float, period: int):
+    """SGD with momentum on `model`'s parameters; for `hook="local_sgd"` wrapped in
+    `PostLocalSGDOptimizer`, which averages the parameters every `period` steps."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if hook != "local_sgd":
+        return optimizer
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    return PostLocalSGDOptimizer(
+        optim=optimizer, averager=averagers.PeriodicModelAverager(period=period, warmup_steps=0))
 
 
 def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeats: int = 3,
         threads: int = 1, timeout: float = 300.0, hook: str = "none", rank: int = 4,
-        channels_last: bool = True) -> dict:
+        channels_last: bool = True, period: int = 8) -> dict:
     """Runs the peer case: one DDP launch per worker count, or a skip record.
 
     Args:
@@ -196,7 +227,7 @@ def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeat
         repeats: timed rounds.
         threads: `torch.set_num_threads` per process.
         timeout: seconds per launch.
-        hook, rank, channels_last: see `measure`.
+        hook, rank, channels_last, period: see `measure`.
 
     Returns:
         `{"status": "ok", "workers": {n: measurement}}`, or
@@ -212,7 +243,7 @@ def run(*, workers=(1, 2), per_replica_batch: int = 64, steps: int = 100, repeat
     for n in workers:
         spec = {"per_replica_batch": per_replica_batch, "steps": steps, "repeats": repeats,
                 "threads": threads, "port": procs.free_port(), "hook": hook, "rank": rank,
-                "channels_last": channels_last}
+                "channels_last": channels_last, "period": period}
         results[str(n)] = procs.run_job("torch_ddp", spec, nproc=n, timeout=timeout)
     return {"status": "ok", "framework": "PyTorch DDP, gloo, CPU", "workers": results}
 

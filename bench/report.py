@@ -182,7 +182,8 @@ def _communication(case) -> list[str]:
     for r in case["rows"]:
         name = PATH_LABELS.get(r["path"], r["path"]) if r["framework"] == "tfdp" else (
             {"none": "all-reduce (no hook)", "fp16": "`fp16_compress_hook`",
-             "powersgd": "`powerSGD_hook`"}[r["path"]])
+             "powersgd": "`powerSGD_hook`",
+             "local_sgd": "post-local SGD (`PeriodicModelAverager`)"}[r["path"]])
         lines.append(f"| {r['framework']} | {name} | {_f(r['images_per_second'])} "
                      f"({_f(r['median_images_per_second'])}) | {r['bytes_per_step']:,} | "
                      f"{_f(r['vs_no_all_reduce'], 2)} |")
@@ -206,7 +207,8 @@ def _communication(case) -> list[str]:
 
 #: How the time-to-accuracy case names DDP's hooks.
 TTA_HOOK_LABELS = {"none": "all-reduce (no hook)", "fp16": "`fp16_compress_hook`",
-                   "powersgd": "`powerSGD_hook` (rank 4)"}
+                   "powersgd": "`powerSGD_hook` (rank 4)",
+                   "local_sgd": "post-local SGD (`PeriodicModelAverager`, every 8 steps)"}
 TTA_METHOD_LABELS = {"plain": "plain all-reduce", "bfloat16": "bfloat16 all-reduce",
                      "powersgd": "PowerSGD (rank 4)", "topk": "Top-K (1%)",
                      "local_sgd": "local SGD (every 8 steps)",

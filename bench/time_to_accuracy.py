@@ -49,7 +49,7 @@ import time
 #: tfdp methods: name -> tfdp.compile arguments (built in the job).
 TFDP_METHODS = ("plain", "bfloat16", "powersgd", "topk", "local_sgd", "diloco")
 #: DDP hooks (`tfdp.bench.peer_torch.HOOKS`).
-DDP_HOOKS = ("none", "fp16", "powersgd")
+DDP_HOOKS = ("none", "fp16", "powersgd", "local_sgd")
 #: The framework name of the one-process plain-Keras row (`measure_keras`).
 KERAS_FLOOR = "Keras, one process"
 _DEFAULTS = {"per_replica_batch": 32, "learning_rate": 0.05, "momentum": 0.9,
@@ -228,8 +228,9 @@ def measure_torch(spec: dict) -> dict:
         y_test = torch.from_numpy(data["y_test"]).long()
         torch.manual_seed(spec["seed"])  # the same initial weights on every rank
         model = peer_torch.wrap_ddp(build_torch_digits_cnn(), spec["hook"], spec["rank"])
-        optimizer = torch.optim.SGD(model.parameters(), lr=spec["learning_rate"],
-                                    momentum=spec["momentum"])
+        optimizer = peer_torch.make_optimizer(
+            model, spec["hook"], lr=spec["learning_rate"], momentum=spec["momentum"],
+            period=spec["local_sgd_sync_every"])
         loss_fn = torch.nn.CrossEntropyLoss()
         batch = spec["per_replica_batch"]
         steps = len(y_train) // (batch * world)  # drop the remainder, as tfdp's input does
@@ -245,6 +246,10 @@ def measure_torch(spec: dict) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 loss_fn(model(x_train[rows]), y_train[rows]).backward()
                 optimizer.step()
+            if spec["hook"] == "local_sgd":  # as tfdp's windows, each epoch ends averaged
+                from torch.distributed.algorithms.model_averaging import utils as averaging
+
+                averaging.average_parameters(model.parameters(), dist.group.WORLD)
             model.eval()
             with torch.no_grad():  # every rank holds the same weights
                 accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()

@@ -36,7 +36,7 @@ def test_torch_cnn_is_the_same_network():
     assert tuple(model(torch.zeros(2, channels, height, width)).shape) == (2, workloads.NUM_CLASSES)
 
 
-@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+@pytest.mark.parametrize("hook", ["fp16", "powersgd", "local_sgd"])
 def test_ddp_runs_with_its_communication_hooks_on_two_workers(hook):
     """The peer's hooks run (2 gloo processes, a few steps); nothing is timed."""
     pytest.importorskip("torch")
@@ -46,7 +46,7 @@ def test_ddp_runs_with_its_communication_hooks_on_two_workers(hook):
 
 
 def test_ddp_refuses_an_unknown_hook():
-    with pytest.raises(ValueError, match="`hook` must be one of none, fp16, powersgd"):
+    with pytest.raises(ValueError, match="`hook` must be one of none, fp16, powersgd, local_sgd"):
         peer_torch.register_hook(None, "bf16", 4)
 
 
