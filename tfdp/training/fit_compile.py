@@ -355,13 +355,14 @@ def compile(  # pylint: disable=redefined-builtin
     if model.distribute_strategy.num_replicas_in_sync > 1:
         # No distributed iterator built after each pass only to be thrown away.
         keras_spare_iterator.install()
+    monitor = None
     if nonfinite_lib.guard_of(model.optimizer) is not None:
         # After every execution: log skips, stop at the limit.
-        step_monitor.install_fit_check(
+        monitor = step_monitor.install_fit_check(
             model, log=strategy_info_lib.strategy_info(model.distribute_strategy).is_chief
         )
     if local_sync is not None:
-        sync_points.install_fit_sync(model)
+        sync_points.install_fit_sync(model, monitor)
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # fit's validation passes share one distributed iterator where exact.
         model.evaluate = functools.partial(_evaluate_keeping_validation_iterator, model,

@@ -165,7 +165,7 @@ class StepMonitor:
         return step
 
 
-def install_fit_check(model: keras.Model, *, log: bool) -> None:
+def install_fit_check(model: keras.Model, *, log: bool) -> StepMonitor:
     """Makes `model.fit` stop with `NonFiniteError` at the limit (and log skips).
 
     Sets `model.train_function` to a function that builds the real one on
@@ -179,6 +179,10 @@ def install_fit_check(model: keras.Model, *, log: bool) -> None:
     Args:
         model: the compiled model.
         log: log skipped steps (the chief only).
+
+    Returns:
+        The monitor, for the other points of `fit` that check the counters
+        (`tfdp.training.sync_points`).
     """
     monitor = StepMonitor(guard_of(model.optimizer), owner="tfdp fit", log=log)
     built = None
@@ -195,3 +199,4 @@ def install_fit_check(model: keras.Model, *, log: bool) -> None:
         return logs
 
     model.train_function = checked
+    return monitor

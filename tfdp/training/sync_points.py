@@ -23,7 +23,6 @@ import keras
 
 from tfdp.training import step_monitor
 from tfdp.training.callback_order import with_callback_first
-from tfdp.training.nonfinite import guard_of
 
 
 class SyncAtEpochEnd(keras.callbacks.Callback):
@@ -34,11 +33,10 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
     `tfdp.training.step_monitor`), on every worker alike.
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, monitor: step_monitor.StepMonitor | None):
         super().__init__()
         self._optimizer = optimizer
-        guard = guard_of(optimizer)
-        self._monitor = guard and step_monitor.StepMonitor(guard, owner="tfdp fit", log=False)
+        self._monitor = monitor  # fit's own (`step_monitor.install_fit_check`), or None
 
     def _sync(self):
         self._optimizer.sync_pending()
@@ -66,8 +64,8 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         self._sync()
 
 
-def _fit(model, *args, callbacks=None, **kwargs):
-    callbacks = with_callback_first(SyncAtEpochEnd(model.optimizer), callbacks)
+def _fit(model, monitor, *args, callbacks=None, **kwargs):
+    callbacks = with_callback_first(SyncAtEpochEnd(model.optimizer, monitor), callbacks)
     return type(model).fit(model, *args, callbacks=callbacks, **kwargs)
 
 
@@ -80,12 +78,15 @@ def _evaluate(model, *args, **kwargs):
 METHODS = ("fit", "evaluate")
 
 
-def install_fit_sync(model: keras.Model) -> None:
+def install_fit_sync(model: keras.Model,
+                     monitor: step_monitor.StepMonitor | None = None) -> None:
     """Makes `model.fit` and `model.evaluate` synchronise locally stepping replicas (see above).
 
     Instance attributes shadow `Model.fit` and `Model.evaluate`; `fit` finds
     `evaluate` on the instance when it validates. The SyncAtEpochEnd callback
-    comes first, so checkpoint callbacks see synchronised weights.
+    comes first, so checkpoint callbacks see synchronised weights; it checks
+    `monitor` (fit's `StepMonitor`, None without a non-finite guard) after
+    each synchronisation.
     """
-    model.fit = functools.partial(_fit, model)
+    model.fit = functools.partial(_fit, model, monitor)
     model.evaluate = functools.partial(_evaluate, model)
