@@ -90,6 +90,7 @@ def main():
         "restored": restored, "restored_step": restored_step,
         "logs": logs, "evaluation": evaluation,
         "scheduled_steps": loop.scheduled_steps, "completed_steps": loop.completed_steps,
+        "extra_steps": loop.extra_steps,
         "iterations": int(optimizer.iterations.numpy()),
         "global_step": trainer.global_step, "rounds": rounds,
         "info": trainer.info.describe(),

@@ -114,10 +114,14 @@ class ParameterServerLoop:
 
         self._train_function = tf.function(train_function)
         self._eval_function = tf.function(self._eval_step)
-        #: Over the last `train` call: steps scheduled, and steps the
-        #: scheduled functions reported back (equal when the call returns).
+        #: Over the last `train` call: steps scheduled; steps the scheduled
+        #: functions reported back (equal when the call returns); and steps
+        #: applied beyond those, by functions cut short with their worker
+        #: and then run again (`scheduled_steps + extra_steps` is the steps
+        #: the call applied).
         self.scheduled_steps = 0
         self.completed_steps = 0
+        self.extra_steps = 0
 
     def _per_worker_iterator(self, dataset):
         if not isinstance(dataset, tf.data.Dataset):
@@ -136,7 +140,7 @@ class ParameterServerLoop:
         trainer = self._trainer
         iterator = self._per_worker_iterator(dataset)
         start_step, start_time = global_step, time.perf_counter()
-        self.scheduled_steps = self.completed_steps = 0
+        self.scheduled_steps = self.completed_steps = self.extra_steps = 0
         if trainer._monitor is not None:
             trainer._monitor.prime()
         logs: dict = {}
@@ -169,6 +173,7 @@ class ParameterServerLoop:
                     f"{applied} steps (optimizer.iterations + skipped_steps). Was the "
                     "optimizer stepped outside this Trainer?")
             if applied > end:
+                self.extra_steps += applied - end
                 logging.warning(
                     "tfdp trainer: %d step(s) beyond the %d scheduled were applied: a worker "
                     "was lost during its function and TensorFlow ran the function again "
