@@ -27,6 +27,9 @@ as one fails.
   whose containers run `tfdp-launch tfjob-worker -- COMMAND`
   (`tfdp.launch.tfjob_worker`: SIGTERM forwarding, exit codes the operator's
   restart policy understands).
+- Parameter servers: `--num_ps P` runs COMMAND as the chief of a
+  `ParameterServerStrategy` job with N worker and P ps tasks serving
+  (`tfdp.launch.parameter_server`); the job ends with the chief.
 
 Exit status of `tfdp-launch` (without a subcommand):
 
@@ -44,7 +47,8 @@ Modules: `tfdp.launch.local` (what each worker runs, with which environment),
 processes), `tfdp.launch.output` (rank-prefixed output, log tails),
 `tfdp.launch.signals` (signal catching), `tfdp.launch.bind` (the bind shim), `tfdp.launch._proc` (process groups, /proc,
 reaping), `tfdp.launch.sbatch` and `tfdp.launch.k8s` (scheduler files),
-`tfdp.launch.tfjob_worker` (a TFJob container's entry point). This
+`tfdp.launch.tfjob_worker` (a TFJob container's entry point),
+`tfdp.launch.parameter_server` (`--num_ps`: a chief, worker and ps tasks). This
 package imports only the library modules that load without TensorFlow
 (`tfdp._checks`, `tfdp.distribute.cluster`, `tfdp.distribute.local_cluster`,
 `tfdp.distribute.visible_gpus`);

@@ -6,6 +6,7 @@ Usage:
                      [--gpus_per_proc G]
                      [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]
                      -- COMMAND [ARGS...]
+    tfdp-launch --num_ps P --nproc_per_node N [--max_restarts K] -- COMMAND [ARGS...]
     tfdp-launch slurm --nodes M --ntasks_per_node N [...] [--submit] -- COMMAND [ARGS...]
     tfdp-launch k8s --image IMAGE --workers N [...] [--output FILE] -- COMMAND [ARGS...]
     tfdp-launch tfjob-worker -- COMMAND [ARGS...]   (a TFJob container's entry point)
@@ -63,6 +64,14 @@ restarts). When
 no restart is left, the failing worker's last 20 lines of stdout and of stderr
 are repeated on stderr. On several nodes, give every node the same
 --max_restarts.
+
+Parameter servers. With --num_ps P, COMMAND runs once, as the chief of a
+ParameterServerStrategy job (tfdp.make_strategy(kind="parameter_server")),
+and N worker tasks and P ps tasks serve (tfdp.distribute.parameter_server),
+each with its TF_CONFIG role, on free 127.0.0.1 ports. The job ends with the
+chief, with its exit status; a worker task that dies is started again on its
+address (up to --max_restarts times each) while its steps go to the others.
+Output lines are prefixed [chief], [worker:i], [ps:j].
 
 Exit status: 0 if every worker exited 0; else the failing worker's status
 (128+N if signal N killed it); 128+N if the launcher got signal N (SIGINT: 130,
@@ -151,7 +160,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfdp-launch",
         usage=("%(prog)s --nproc_per_node N [--port P] [--grace_period S] [--max_restarts K]\n"
-               "       [--gpus_per_proc G]\n"
+               "       [--gpus_per_proc G] [--num_ps P]\n"
                "       [--nnodes M --node_rank R --hosts H0:P0,H1:P1,... [--bind_all]]\n"
                "       -- COMMAND [ARGS ...]\n"
                "   or: %(prog)s {slurm,k8s} ... -- COMMAND [ARGS ...]"),
@@ -181,6 +190,11 @@ def _launch_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hosts", default=None, metavar="H0:P0,H1:P1,...",
                         help="every node's address and first worker port, in node-rank "
                              "order (needed when M > 1)")
+    parser.add_argument("--num_ps", type=int, default=None, metavar="P",
+                        help="a parameter-server job: COMMAND runs as the chief, N worker "
+                             "tasks and P ps tasks serve (tfdp.make_strategy(kind="
+                             "'parameter_server')); --max_restarts then restarts a dead worker "
+                             "task on its own address")
     parser.add_argument("--bind_all", action="store_true",
                         help="workers listen on all interfaces instead of their own --hosts "
                              "address only (the gRPC endpoints are unauthenticated; logs a "
@@ -193,6 +207,8 @@ def _main_launch(argv: Sequence[str]) -> int:
     args, command = _split_command(parser, argv,
                                    "tfdp-launch --nproc_per_node 2 -- python train.py")
     multi_node = args.hosts is not None or args.nnodes != 1
+    if args.num_ps is not None:
+        return _launch_parameter_server(parser, args, command, multi_node)
     try:
         if multi_node:
             if args.hosts is None:
@@ -229,6 +245,33 @@ def _main_launch(argv: Sequence[str]) -> int:
     leftovers = _proc.reap_children()
     if leftovers:
         print(f"[launch] warning: processes outside the workers' process groups are "
+              f"still running: pids {leftovers}", file=sys.stderr)
+    return status
+
+
+def _launch_parameter_server(parser, args, command, multi_node: bool) -> int:
+    """`--num_ps P`: the chief runs COMMAND, the worker and ps tasks serve (one host)."""
+    from tfdp.launch import parameter_server
+
+    given = [flag for flag, on in (("--nnodes/--hosts", multi_node),
+                                   ("--port", args.port is not None),
+                                   ("--gpus_per_proc", args.gpus_per_proc is not None),
+                                   ("--bind_all", args.bind_all)) if on]
+    if given:
+        parser.error(f"--num_ps launches a parameter-server job on this host only; "
+                     f"{', '.join(given)} cannot be combined with it (the tasks get free "
+                     "127.0.0.1 ports). Remove them.")
+    try:
+        plan = parameter_server.plan_parameter_server(
+            command, num_workers=args.nproc_per_node, num_ps=args.num_ps,
+            grace_period=args.grace_period, max_restarts=args.max_restarts)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    _proc.set_child_subreaper()
+    status = parameter_server.run_parameter_server(plan)
+    leftovers = _proc.reap_children()
+    if leftovers:
+        print(f"[launch] warning: processes outside the tasks' process groups are "
               f"still running: pids {leftovers}", file=sys.stderr)
     return status
 

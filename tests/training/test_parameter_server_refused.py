@@ -1,8 +1,11 @@
-"""TensorFlow's ParameterServerStrategy is refused by name, before anything is built.
+"""`tfdp.compile` refuses TensorFlow's ParameterServerStrategy by name; `tfdp.Trainer` takes it.
 
 Keras 3 has no parameter-server support: its `fit` runs on the coordinator
 without a `ClusterCoordinator` and TensorFlow fails at the first batch with a
-message about `create_per_worker_dataset`. Building the strategy connects
+message about `create_per_worker_dataset`, so `tfdp.compile` refuses the
+strategy before anything is built. `tfdp.Trainer` trains it on its
+asynchronous path (tests/training/test_parameter_server_training.py trains
+there). Building the strategy connects
 the process's eager context to the cluster, so the check runs in a child
 process with an in-process cluster of 1 worker and 1 ps.
 """
@@ -31,9 +34,10 @@ _CHILD = textwrap.dedent("""
         tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc"))
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
     for name, call in [
         ("compile", lambda: tfdp.compile(model, optimizer="sgd", loss="mse")),
-        ("trainer", lambda: tfdp.Trainer(model, optimizer=keras.optimizers.SGD(0.1),
+        ("trainer", lambda: tfdp.Trainer(model, optimizer=optimizer,
                                          loss=keras.losses.MeanSquaredError(),
                                          batch=tfdp.BatchConfig(8, 1), strategy=strategy)),
     ]:
@@ -48,14 +52,16 @@ _CHILD = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_parameter_server_strategy_is_refused_by_compile_and_trainer():
+def test_parameter_server_strategy_is_refused_by_compile_and_taken_by_trainer():
     done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                           timeout=180)
     lines = [line for line in done.stdout.splitlines() if " REFUSED: " in line
              or " ACCEPTED" in line]
     assert len(lines) == 2, done.stdout[-2000:] + done.stderr[-3000:]
-    for caller, line in zip(("tfdp.compile", "tfdp.Trainer"), lines):
-        assert "REFUSED" in line, line
-        assert (f"{caller} trains synchronously and cannot run under "
-                "tf.distribute.experimental.ParameterServerStrategy") in line
-        assert "Use tfdp.make_strategy()" in line and "balance_batches=True" in line
+    compile_line, trainer_line = lines
+    assert "REFUSED" in compile_line, compile_line
+    assert ("tfdp.compile trains synchronously and cannot run under "
+            "tf.distribute.experimental.ParameterServerStrategy") in compile_line
+    assert "Use tfdp.make_strategy()" in compile_line and "balance_batches=True" in compile_line
+    assert "asynchronously with tfdp.Trainer" in compile_line
+    assert trainer_line == "trainer ACCEPTED", trainer_line

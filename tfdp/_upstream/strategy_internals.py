@@ -12,6 +12,11 @@ strategy (TensorFlow 2.21):
   with "Device ... is joining a group with size 4, but that group has size 2".
   TensorFlow's own tests bump the class's key base for each strategy
   (`tensorflow/python/distribute/strategy_combinations.py`); so do we.
+- `parameter_server_cluster` reads a `ParameterServerStrategy`'s cluster:
+  its public `cluster_resolver` property is None in TensorFlow 2.21 (the
+  base `Strategy.cluster_resolver` reads `extended._cluster_resolver`, which
+  `ParameterServerStrategyV2Extended` never sets; the strategy keeps the
+  resolver in its own `_cluster_resolver`). Read-only.
 
 `tests/_upstream/test_strategy_internals.py` fails when these attributes move
 or the collision no longer happens, which tells us to update this one file.
@@ -94,3 +99,19 @@ def all_reduce_name(strategy: tf.distribute.Strategy) -> str:
         return type(ops).__name__
     num_packs = getattr(ops, "_num_packs", 1)
     return name if num_packs == 1 else f"{name}/packs={num_packs}"
+
+
+def parameter_server_cluster(strategy: tf.distribute.Strategy) -> tf.train.ClusterSpec:
+    """The cluster a `tf.distribute.experimental.ParameterServerStrategy` was built over.
+
+    Raises:
+        ValueError: `strategy` is not a `ParameterServerStrategy`.
+    """
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise ValueError(
+            "parameter_server_cluster reads a ParameterServerStrategy. "
+            f"Received: {type(strategy).__name__}")
+    resolver = strategy.cluster_resolver
+    if resolver is None:  # TensorFlow 2.21: see the module docstring
+        resolver = strategy._cluster_resolver  # pylint: disable=protected-access
+    return resolver.cluster_spec()

@@ -4,6 +4,7 @@
 - `local_cluster`: free ports and TF_CONFIG for N workers on this host (no TensorFlow);
 - `slurm_env`: a Slurm job step's environment as a cluster (no TensorFlow);
 - `strategy`: which `tf.distribute.Strategy` and all-reduce a job runs under;
+- `parameter_server`: `ParameterServerStrategy`'s cluster, task servers and coordinator;
 - `strategy_info`: a built strategy in one line (workers, rank, replicas, devices);
 - `devices`: logical CPU devices, and where XLA can compile;
 - `startup`: workers that cannot start together (ports, the start-up deadline);

@@ -20,8 +20,10 @@ tfdp validates it more strictly than TensorFlow does (TensorFlow's own check is
 `tensorflow/python/distribute/multi_worker_util.py::_validate_cluster_spec`,
 which runs only once the strategy is built, and lets a missing `task.index`
 default to 0): everything TensorFlow would reject, plus duplicate addresses,
-malformed `host:port` strings and `ps` tasks (tfdp does not support
-`ParameterServerStrategy`).
+malformed `host:port` strings, and `ps` tasks unless the caller asks for a
+parameter-server cluster (`parse_tf_config(..., parameter_server=True)`, which
+`tfdp.make_strategy(kind="parameter_server")` does; its cluster rules are
+`tfdp.distribute.parameter_server`'s).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from tfdp import _checks
 TASK_TYPES = ("chief", "worker", "evaluator")
 #: Task types that train (take part in the gradient all-reduce), in rank order.
 TRAINING_TASK_TYPES = ("chief", "worker")
+#: Task types of a `ParameterServerStrategy` cluster.
+PS_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 
 # A hostname, an IPv4 address or a bracketed IPv6 address, then ":port".
 _HOST_PATTERN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)$")
@@ -78,13 +82,16 @@ def check_address(address: Any, *, where: str) -> str:
 
 
 def _validate(
-    cluster: Any, task_type: Any, task_index: Any, *, names: Mapping[str, str]
+    cluster: Any, task_type: Any, task_index: Any, *, names: Mapping[str, str],
+    parameter_server: bool = False,
 ) -> dict[str, tuple[str, ...]]:
     """Validates a cluster description; returns the cluster as a plain dict.
 
     `names` maps "cluster", "task_type" and "task_index" to how the user wrote
     them (constructor arguments or TF_CONFIG fields), for the error messages.
+    With `parameter_server`, "ps" jobs and tasks are allowed.
     """
+    task_types = PS_TASK_TYPES if parameter_server else TASK_TYPES
     cluster_name = names["cluster"]
     type_name = names["task_type"]
     index_name = names["task_index"]
@@ -99,18 +106,19 @@ def _validate(
     normalized: dict[str, tuple[str, ...]] = {}
     seen: dict[str, str] = {}
     for job, addresses in cluster.items():
-        if job == "ps":
+        if job == "ps" and not parameter_server:
             raise ValueError(
                 f'`{cluster_name}` contains a "ps" job. Parameter-server tasks '
                 "belong to `tf.distribute.experimental.ParameterServerStrategy`, "
-                "which tfdp does not support; tfdp trains with "
-                "MultiWorkerMirroredStrategy, whose tasks are "
-                f"{', '.join(TASK_TYPES)}. Remove the \"ps\" job. "
+                "which MultiWorkerMirroredStrategy (kind 'auto' or 'multi_worker') "
+                "does not support: its tasks are "
+                f"{', '.join(TASK_TYPES)}. Remove the \"ps\" job, or train "
+                "asynchronously with tfdp.make_strategy(kind='parameter_server'). "
                 f"Received: {cluster_name}={_checks.echo(dict(cluster))}"
             )
-        if job not in TASK_TYPES:
+        if job not in task_types:
             raise ValueError(
-                f"`{cluster_name}` keys must be task types in {TASK_TYPES}. "
+                f"`{cluster_name}` keys must be task types in {task_types}. "
                 f"Received an unknown task type {_checks.echo(job)} in "
                 f"{cluster_name}={_checks.echo(dict(cluster))}"
             )
@@ -159,15 +167,17 @@ def _validate(
             f"the tasks that train. Received: {cluster_name}={_checks.echo(dict(cluster))}"
         )
 
-    if task_type == "ps":
+    if task_type == "ps" and not parameter_server:
         raise ValueError(
             f'`{type_name}`="ps" is a parameter-server task of '
-            "`ParameterServerStrategy`, which tfdp does not support. Use one of "
-            f"{TASK_TYPES}. Received: {type_name}={_checks.echo(task_type)}"
+            "`ParameterServerStrategy`, which MultiWorkerMirroredStrategy (kind 'auto' "
+            f"or 'multi_worker') does not support. Use one of {TASK_TYPES}, or "
+            "tfdp.make_strategy(kind='parameter_server'). "
+            f"Received: {type_name}={_checks.echo(task_type)}"
         )
-    if not isinstance(task_type, str) or task_type not in TASK_TYPES:
+    if not isinstance(task_type, str) or task_type not in task_types:
         raise ValueError(
-            f"`{type_name}` must be one of {TASK_TYPES}. "
+            f"`{type_name}` must be one of {task_types}. "
             f"Received: {type_name}={_checks.echo(task_type)}"
         )
     # TensorFlow lets an evaluator be absent from the cluster (it runs on its
@@ -228,8 +238,11 @@ class ClusterConfig:
     rpc_layer: str | None = None
 
     def __post_init__(self):
+        # A description may hold "ps" jobs; whether a strategy accepts them
+        # is `parse_tf_config`'s and the strategy's to say.
         normalized = _validate(
-            self.cluster, self.task_type, self.task_index, names=_FIELD_NAMES
+            self.cluster, self.task_type, self.task_index, names=_FIELD_NAMES,
+            parameter_server=True,
         )
         if self.rpc_layer is not None and (
             not isinstance(self.rpc_layer, str) or not self.rpc_layer
@@ -328,7 +341,8 @@ def _rebuild_cluster_config(tf_config: dict[str, Any]) -> ClusterConfig:
 
 
 def parse_tf_config(
-    raw: str | None = None, *, environ: Mapping[str, str] | None = None
+    raw: str | None = None, *, environ: Mapping[str, str] | None = None,
+    parameter_server: bool = False,
 ) -> ClusterConfig | None:
     """Parses and validates a TF_CONFIG string.
 
@@ -337,6 +351,8 @@ def parse_tf_config(
             variable from `environ`. Defaults to `None`.
         environ: the environment to read `TF_CONFIG` from when `raw` is `None`.
             Defaults to `os.environ`.
+        parameter_server: accept "ps" jobs and tasks (a
+            `ParameterServerStrategy` cluster). Defaults to False.
 
     Returns:
         A `ClusterConfig`, or `None` when TF_CONFIG is unset or empty (a
@@ -346,11 +362,12 @@ def parse_tf_config(
         ValueError: naming the field and the fix, when TF_CONFIG: is not valid
             JSON; is not a JSON object; lacks `cluster` or `task`; has a `task`
             that is not an object; has a `task.type` that is missing, `"ps"`
-            (`ParameterServerStrategy` is not supported) or not one of
+            (without `parameter_server`) or not one of
             `"chief"`, `"worker"`, `"evaluator"`; names a task type absent from
             `cluster` (an evaluator may be absent, as in TensorFlow); has a
             `task.index` that is missing, not an integer, negative or out of
-            range; has a cluster job that is unknown, `"ps"`, empty or not a
+            range; has a cluster job that is unknown, `"ps"` (without
+            `parameter_server`), empty or not a
             list; has an address that is not `"host:port"` with a port in
             [1, 65535]; lists the same address twice anywhere in the cluster;
             has more than one chief or more than one evaluator; has no chief
@@ -416,7 +433,8 @@ def parse_tf_config(
             f'"grpc", or absent. Received: TF_CONFIG["rpc_layer"]={_checks.echo(rpc_layer)}'
         )
     cluster, task_type, task_index = tf_config["cluster"], task["type"], task["index"]
-    _validate(cluster, task_type, task_index, names=_TF_CONFIG_FIELD_NAMES)
+    _validate(cluster, task_type, task_index, names=_TF_CONFIG_FIELD_NAMES,
+              parameter_server=parameter_server)
     return ClusterConfig(
         cluster=cluster, task_type=task_type, task_index=task_index, rpc_layer=rpc_layer
     )

@@ -218,3 +218,52 @@ def local_tf_config(
         "cluster": {"worker": addresses},
         "task": {"type": "worker", "index": worker_index},
     }
+
+
+def parameter_server_tf_configs(
+    num_workers: int,
+    num_ps: int,
+    *,
+    ports: Sequence[int] | None = None,
+    host: str = "127.0.0.1",
+) -> list[dict[str, Any]]:
+    """TF_CONFIG of every task of a `ParameterServerStrategy` cluster on this host.
+
+    One chief (which runs the training program), `num_workers` workers and
+    `num_ps` ps tasks (which run `tfdp.distribute.parameter_server.serve`).
+
+    Args:
+        num_workers: worker tasks. Must be >= 1.
+        num_ps: ps tasks. Must be >= 1.
+        ports: `1 + num_workers + num_ps` distinct ports: the chief's, the
+            workers', the ps tasks'. Defaults to `None`: `free_ports` picks them.
+        host: the address every task listens on. Defaults to `"127.0.0.1"`.
+
+    Returns:
+        The TF_CONFIG dictionaries in the order chief, workers, ps; the task
+        of each is `tf_config["task"]`.
+
+    Raises:
+        ValueError: a count is below 1, or `ports` has the wrong length or
+            repeats a port.
+    """
+    _checks.check_int("num_workers", num_workers)
+    _checks.check_int("num_ps", num_ps)
+    total = 1 + num_workers + num_ps
+    ports = list(free_ports(total, host=host) if ports is None else ports)
+    if len(ports) != total or len(set(ports)) != total:
+        raise ValueError(
+            f"`ports` must be {total} distinct ports (1 chief, {num_workers} worker(s), "
+            f"{num_ps} ps). Received: ports={_checks.echo(ports)}")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    addresses = [f"{host}:{port}" for port in ports]
+    cluster = {"chief": addresses[:1], "worker": addresses[1:1 + num_workers],
+               "ps": addresses[1 + num_workers:]}
+    tasks = [("chief", 0)] + [("worker", i) for i in range(num_workers)] + [
+        ("ps", i) for i in range(num_ps)]
+    configs = [{"cluster": cluster, "task": {"type": job, "index": i}} for job, i in tasks]
+    for config in configs:  # every address and the task, as TF_CONFIG is checked
+        cluster_lib.ClusterConfig(cluster=config["cluster"], task_type=config["task"]["type"],
+                                  task_index=config["task"]["index"])
+    return configs

@@ -25,7 +25,7 @@ from tfdp.distribute import startup
 from tfdp.distribute import visible_gpus
 from tfdp.distribute.strategy_info import strategy_info
 
-KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker")
+KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker", "parameter_server")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "collective")
 COMMUNICATIONS = ("auto", "nccl", "ring")
 
@@ -46,7 +46,8 @@ class StrategyPlan:
     """What `make_strategy` will build, decided before TensorFlow is touched.
 
     Attributes:
-        kind: one of `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`.
+        kind: one of `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`,
+            `"parameter_server"`.
         devices: device strings for `one_device` / `mirrored`, or `None` to let
             TensorFlow use every local GPU (or the CPU).
         cross_device_ops: for `mirrored`: `"nccl"`, `"hierarchical_copy"`,
@@ -160,6 +161,12 @@ def _plan_kind(kind, *, num_gpus, num_workers, cpu_replicas, cross_device_ops, n
             f"cpu_replicas={cpu_replicas} to train on the GPUs."
         )
 
+    if kind == "parameter_server":
+        return _plan_parameter_server(cpu_replicas=cpu_replicas, num_gpus=num_gpus,
+                                      cross_device_ops=cross_device_ops,
+                                      communication=communication, bytes_per_pack=bytes_per_pack,
+                                      timeout_seconds=timeout_seconds, num_packs=num_packs)
+
     if kind == "auto":
         if num_workers > 1:
             kind = "multi_worker"
@@ -250,6 +257,28 @@ def _plan_kind(kind, *, num_gpus, num_workers, cpu_replicas, cross_device_ops, n
         warnings=tuple(warnings),
         num_replicas=len(devices) if devices is not None else num_gpus,
     )
+
+
+def _plan_parameter_server(*, cpu_replicas, num_gpus, **all_reduce) -> StrategyPlan:
+    """The plan of `kind="parameter_server"`: nothing to choose, arguments that do not apply refused."""
+    if (cpu_replicas or 1) > 1:
+        raise ValueError(
+            f"kind='parameter_server' runs one replica per worker task, so "
+            f"cpu_replicas={cpu_replicas} cannot apply. Start more worker tasks instead "
+            "(tfdp-launch --num_ps N --nproc_per_node M).")
+    defaults = dict(cross_device_ops="auto", communication="auto", bytes_per_pack=None,
+                    timeout_seconds=None, num_packs=1)
+    changed = {k: v for k, v in all_reduce.items() if v != defaults[k]}
+    if changed:
+        raise ValueError(
+            "kind='parameter_server' has no all-reduce: each worker applies its gradients "
+            "on the ps tasks, so the all-reduce arguments do not apply. Remove "
+            f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}.")
+    if num_gpus:
+        warning = ("kind='parameter_server' was tested on CPU workers only; GPU workers "
+                   "run their steps on their first GPU, as TensorFlow places them.")
+        return StrategyPlan(kind="parameter_server", warnings=(warning,))
+    return StrategyPlan(kind="parameter_server")
 
 
 def _cross_device_ops(plan: StrategyPlan):
@@ -349,6 +378,13 @@ def build_strategy(plan: StrategyPlan) -> tf.distribute.Strategy:
         return tf.distribute.get_strategy()
     if plan.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(plan.devices[0])
+    if plan.kind == "parameter_server":
+        from tfdp.distribute import parameter_server
+
+        config = parameter_server.cluster_from_environment()
+        if config.task_type in parameter_server.SERVER_TASK_TYPES:
+            parameter_server.serve(config)  # never returns
+        return parameter_server.build_strategy(config)
     if plan.kind == "multi_worker":
         config = _cluster_config(os.environ)
         # In a second, before the Keras fixes below are imported.
@@ -397,7 +433,8 @@ def plan_from_environment(kind: str = "auto", **kwargs) -> StrategyPlan:
     plan = plan_strategy(
         kind,
         num_gpus=num_gpus,
-        num_workers=_num_workers(os.environ),
+        # A parameter-server cluster is read (and checked) when it is built.
+        num_workers=1 if kind == "parameter_server" else _num_workers(os.environ),
         **kwargs,
     )
     assigned = visible_gpus.visible_gpus()
@@ -437,7 +474,15 @@ def make_strategy(
             TF_CONFIG or a Slurm job describes more than one worker,
             MirroredStrategy when there is more than one local GPU or
             `cpu_replicas > 1`, else the default strategy. Or one of
-            `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`.
+            `"default"`, `"one_device"`, `"mirrored"`, `"multi_worker"`, or
+            `"parameter_server"`: asynchronous training with
+            `tf.distribute.experimental.ParameterServerStrategy`, from a
+            TF_CONFIG with one `"chief"`, `"worker"` tasks and `"ps"` tasks.
+            On the chief it returns the strategy (train it with
+            `tfdp.Trainer`; Keras' `fit` cannot run it); on a worker or ps
+            task it runs that task's server and never returns
+            (`tfdp.distribute.parameter_server.serve`), so one program
+            serves every task. Takes none of the all-reduce arguments.
         cpu_replicas: split the CPU into this many logical devices and
             mirror over them (for running multi-replica code without GPUs).
             Defaults to `None`: one CPU device.

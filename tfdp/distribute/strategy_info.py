@@ -66,8 +66,9 @@ def check_synchronous(strategy: tf.distribute.Strategy, caller: str) -> None:
     function on the coordinator without a `ClusterCoordinator`, and
     TensorFlow fails at the first batch with "To use this dataset, you need
     to pass this dataset to ClusterCoordinator.create_per_worker_dataset".
-    tfdp's training paths are synchronous; this says so before anything is
-    built.
+    `fit` and `tfdp.compile` are synchronous; this says so before anything
+    is built. `tfdp.Trainer` trains under that strategy on its asynchronous
+    path (`tfdp.training.parameter_server_loop`).
 
     Args:
         strategy: the strategy `caller` would train under.
@@ -81,10 +82,34 @@ def check_synchronous(strategy: tf.distribute.Strategy, caller: str) -> None:
             f"{caller} trains synchronously and cannot run under "
             "tf.distribute.experimental.ParameterServerStrategy: Keras 3's fit has no "
             "parameter-server support (it would run on the coordinator without a "
-            "ClusterCoordinator, and TensorFlow fails at the first batch), and tfdp does not "
-            "drive that strategy. Use tfdp.make_strategy() (MirroredStrategy on one host, "
-            "MultiWorkerMirroredStrategy across workers); for workers of different speeds, "
-            "balance_batches=True.")
+            "ClusterCoordinator, and TensorFlow fails at the first batch). Train it "
+            "asynchronously with tfdp.Trainer (its steps scheduled on the workers through a "
+            "ClusterCoordinator), or train synchronously: Use tfdp.make_strategy() "
+            "(MirroredStrategy on one host, MultiWorkerMirroredStrategy across workers); for "
+            "workers of different speeds, balance_batches=True.")
+
+
+def _parameter_server_info(strategy) -> StrategyInfo:
+    """`ParameterServerStrategy` as its chief (the coordinator, the only task that runs Python) sees it.
+
+    Its workers are the `"worker"` tasks; the chief holds no replica and
+    computes no step, so it is not one of them (`worker_index` 0 stands for
+    "the task that logs"). Each worker is one replica that steps on its own.
+    """
+    from tfdp._upstream import strategy_internals
+
+    spec = strategy_internals.parameter_server_cluster(strategy)
+    num_ps = spec.num_tasks("ps")
+    return StrategyInfo(
+        strategy="ParameterServerStrategy",
+        num_workers=spec.num_tasks("worker"),
+        worker_index=0,
+        is_chief=True,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        devices=tuple(f"/job:worker/task:{i}" for i in range(spec.num_tasks("worker"))),
+        all_reduce=f"none (asynchronous updates on {num_ps} ps task(s))",
+        visible_gpus=visible_gpus_lib.visible_gpus(),
+    )
 
 
 def _public_name(strategy: tf.distribute.Strategy) -> str:
@@ -120,6 +145,8 @@ def strategy_info(strategy: tf.distribute.Strategy | None = None) -> StrategyInf
     from tfdp._upstream import strategy_internals
 
     strategy = strategy or tf.distribute.get_strategy()
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return _parameter_server_info(strategy)
     resolver = getattr(strategy, "cluster_resolver", None)
     num_workers, worker_index, is_chief = 1, 0, True
     if resolver is not None and resolver.cluster_spec().jobs:

@@ -14,6 +14,7 @@
 - `step_monitor`: after each training call, skips logged and the limit enforced; no non-finite save;
 - `trainer`: `tfdp.Trainer`, the outer loop (epochs, checkpoints, resuming exactly);
 - `replica_steps`: its inner loop, one replica's train and eval step in a `tf.function`;
+- `parameter_server_loop`: its asynchronous outer loop under `ParameterServerStrategy`;
 - `checkpointing`: chief-only checkpoint writes;
 - `lr_schedules`: LR scaling with the batch, and warmup;
 - `optimizers`: LARS and LAMB (public as `tfdp.optimizers`);

@@ -46,6 +46,7 @@ from tfdp.training import loss_normalization as norm_lib
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training import balanced_batches
 from tfdp.training import option_rules
+from tfdp.training import parameter_server_loop
 from tfdp.training import replica_state
 from tfdp.training import replica_steps
 from tfdp.training import step_monitor
@@ -54,6 +55,7 @@ from tfdp.distribute import preemption
 from tfdp.distribute import compression
 from tfdp.distribute import devices
 from tfdp.distribute import local_sync as local_sync_lib
+from tfdp.distribute import parameter_server
 from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import batch as batch_lib
@@ -104,6 +106,16 @@ class Trainer:
     replica at the limit stops everyone at the next synchronisation, where
     every worker raises the same `NonFiniteError`
     (`tfdp.distribute.local_sync`).
+
+    **ParameterServerStrategy.** Under `tfdp.make_strategy(kind="parameter_server")`
+    the trainer runs on the chief and trains asynchronously: each step is one
+    batch on whichever worker is free, applied on the ps tasks without waiting
+    for the others (`tfdp.training.parameter_server_loop`, which says how steps
+    are scheduled and counted, what a lost worker costs, and how data is read).
+    The options of the all-reduce (`all_reduce_dtype`, `gradient_compression`,
+    `sync_every`, `outer_optimizer`, `shard_optimizer_state`,
+    `balance_batches`) and accumulation are refused there; `fit` and
+    `tfdp.compile` refuse the strategy.
 
     Args:
         model: a built Keras model whose variables were created in
@@ -224,7 +236,14 @@ class Trainer:
         shard_optimizer_state: bool = False,
         balance_batches: bool | balanced_batches.BalanceOptions = False,
     ):
-        strategy_info_lib.check_synchronous(strategy, "tfdp.Trainer")
+        # ParameterServerStrategy: the asynchronous path (its own outer loop).
+        asynchronous = parameter_server.is_parameter_server(strategy)
+        if asynchronous:
+            parameter_server_loop.check_options(
+                batch=batch, all_reduce_dtype=all_reduce_dtype,
+                gradient_compression=gradient_compression, sync_every=sync_every,
+                outer_optimizer=outer_optimizer, shard_optimizer_state=shard_optimizer_state,
+                balance_batches=balance_batches)
         norm_lib.check_mode(loss_normalization)
         balance = balanced_batches.options_of(balance_batches)
         # On one replica there is nothing to balance: it does nothing.
@@ -340,11 +359,15 @@ class Trainer:
                                                    **checkpointing.random_state(model))
             self._checkpoints = checkpointing.ChiefCheckpointManager(
                 self._checkpoint, model_dir, is_chief=self.info.is_chief, max_to_keep=max_to_keep,
-                replica_state=replica_state.ReplicaStateFiles(
+                replica_state=None if asynchronous else replica_state.ReplicaStateFiles(
                     model_dir, strategy, lambda: optimizer, max_to_keep=max_to_keep),
             )
             if self.info.is_chief:
                 self._summary_writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
+        #: Under ParameterServerStrategy, the chief's asynchronous loop
+        #: (`tfdp.training.parameter_server_loop.ParameterServerLoop`), else None.
+        self.parameter_server_loop = (
+            parameter_server_loop.ParameterServerLoop(self) if asynchronous else None)
 
     # --- public API -------------------------------------------------------
 
@@ -475,7 +498,14 @@ class Trainer:
             self.balanced_batches.begin()
         try:
             self._heap.start()
-            if until_end:
+            if self.parameter_server_loop is not None:
+                if until_end:
+                    raise ValueError(
+                        "Under ParameterServerStrategy the dataset is repeated on every "
+                        "worker, so an epoch of unknown size cannot end: pass steps_per_epoch.")
+                logs = self.parameter_server_loop.train(
+                    dataset, global_step, total_steps, steps_per_epoch)
+            elif until_end:
                 logs = self._train_epochs_until_end(dataset_for_epoch, global_step, total_steps)
             else:
                 # make_dataset(..., seed=...): one iterator over every epoch.
@@ -652,6 +682,8 @@ class Trainer:
         Returns:
             `{"loss": mean per-example loss, <metric names>: results}`.
         """
+        if self.parameter_server_loop is not None:
+            return self.parameter_server_loop.evaluate(dataset)
         # As in train: a full garbage collection on one worker stalls the others.
         with gc_freeze.FrozenHeap():
             self._sync_pending(training=False)
