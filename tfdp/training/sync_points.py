@@ -39,6 +39,7 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         self._optimizer = optimizer
         guard = guard_of(optimizer)
         self._monitor = guard and step_monitor.StepMonitor(guard, owner="tfdp fit", log=False)
+        self._overlap = bool(getattr(getattr(guard, "local_sync", None), "overlap", False))
 
     def _sync(self):
         self._optimizer.sync_pending()
@@ -55,9 +56,14 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         # tensorflow/tensorflow#78338). If it ever does, remove this method
         # rather than mark it async_safe: a collective on the callback thread
         # would race the next train step.
+        # Overlapped local steps (overlap_sync) end their windows here, between
+        # calls of the train function, and start the all-reduce in a thread.
+        self._optimizer.after_call()
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:
             self._sync()
+        elif self._monitor is not None and self._overlap:
+            self._monitor.check()  # a stop agreed at an overlapped window's end
 
     def on_epoch_end(self, epoch, logs=None):
         self._sync()
