@@ -23,7 +23,6 @@ import tensorflow as tf
 
 import tfdp
 from tfdp.distribute import local_sync as local_sync_lib
-from tfdp.distribute import overlapped_sync
 from tfdp.training import nonfinite as nonfinite_lib
 from tfdp.training.batch import BatchConfig
 
@@ -146,7 +145,7 @@ def test_fit_equals_numpy_simulation(two_replicas, sync_every, kind):
     for copies in plain.replica_copies(two_replicas, model):
         np.testing.assert_array_equal(copies[0], copies[1])
     local_sync = model.optimizer.local_sync
-    assert isinstance(local_sync, overlapped_sync.OverlappedSync)
+    assert isinstance(local_sync, local_sync_lib.OverlappedSync)
     assert int(local_sync.pending.numpy()) == 0 and local_sync._thread is None  # pylint: disable=protected-access
 
 
@@ -236,7 +235,7 @@ def test_config_round_trip_keeps_the_overlap():
         local_sync=local_sync_lib.make(4, local_sync_lib.diloco_outer_optimizer(), overlap=True),
     )
     again = nonfinite_lib.NonFiniteGuard.from_config(guard.get_config())
-    assert isinstance(again.local_sync, overlapped_sync.OverlappedSync)
+    assert isinstance(again.local_sync, local_sync_lib.OverlappedSync)
     assert again.local_sync.sync_every == 4 and again.local_sync.overlap
     plain_guard = nonfinite_lib.NonFiniteGuard(keras.optimizers.SGD(0.1),
                                                local_sync=local_sync_lib.LocalSync(4))

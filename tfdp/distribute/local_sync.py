@@ -37,9 +37,10 @@ training). Checkpoints do not synchronise: tfdp's save every replica's
 weights (`tfdp.training.replica_state`), so a window runs on across a save.
 
 `overlap=True` (`make`, or `overlap_sync=True` in `tfdp.compile` and
-`tfdp.Trainer`) gives `tfdp.distribute.overlapped_sync.OverlappedSync`
-instead: the all-reduce of a window runs in a background thread while the
-next window computes, and is applied one window late.
+`tfdp.Trainer`) gives `OverlappedSync` instead
+(`tfdp.distribute.overlapped_sync`): the all-reduce of a window runs in a
+background thread while the next window computes, and is applied one
+window late.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import keras
 import tensorflow as tf
 
 from tfdp._upstream import keras_optimizer_reduction
+from tfdp.distribute import overlapped_sync
 from tfdp.distribute import reduction
 from tfdp.distribute import replica_cond
 
@@ -84,8 +86,7 @@ def make(sync_every: int, outer_optimizer=None, overlap: bool = False) -> "Local
     """A `LocalSync`, or with `overlap` its overlapped form (`tfdp.distribute.overlapped_sync`)."""
     check_overlap(overlap)
     if overlap:
-        from tfdp.distribute import overlapped_sync  # pylint: disable=import-outside-toplevel
-        return overlapped_sync.OverlappedSync(sync_every, outer_optimizer)
+        return OverlappedSync(sync_every, outer_optimizer)
     return LocalSync(sync_every, outer_optimizer)
 
 
@@ -114,7 +115,7 @@ class LocalSync:
 
     Attributes:
         overlap: whether the all-reduce overlaps the next window
-            (`tfdp.distribute.overlapped_sync.OverlappedSync`); False here.
+            (`OverlappedSync`); False here.
     """
 
     overlap = False
@@ -286,6 +287,10 @@ class LocalSync:
         if isinstance(outer, dict):
             outer = keras.saving.deserialize_keras_object(outer)
         return make(config["sync_every"], outer, config.get("overlap", False))
+
+
+class OverlappedSync(overlapped_sync.Overlap, LocalSync):
+    """`LocalSync` whose all-reduce overlaps the next window (`tfdp.distribute.overlapped_sync`)."""
 
 
 def _name(variable) -> str:

@@ -2,7 +2,7 @@
 
 `tfdp.distribute.local_sync.LocalSync` stops every replica at the end of a
 window until the weights' all-reduce is back. `OverlappedSync` (made by
-`LocalSync`'s `overlap=True`) starts that all-reduce instead, in a
+`local_sync.make(..., overlap=True)`) starts that all-reduce instead, in a
 background thread, and applies its result one window late: the one-outer-step
 delayed DiLoCo that Streaming DiLoCo (Douillard et al. 2025, arXiv
 2501.18512, Sec. 2.3, "overlapping communication with computation", there
@@ -68,12 +68,16 @@ import keras
 import tensorflow as tf
 
 from tfdp._upstream import keras_optimizer_reduction
-from tfdp.distribute import local_sync
 from tfdp.distribute import reduction
 
 
-class OverlappedSync(local_sync.LocalSync):
-    """`LocalSync` whose all-reduce overlaps the next window (see the module docstring).
+class Overlap:
+    """What overlapping adds to `tfdp.distribute.local_sync.LocalSync` (see the module docstring).
+
+    A mixin: `local_sync.OverlappedSync` is `(Overlap, LocalSync)`, so that
+    `local_sync` (which makes either from the arguments or a config) imports
+    this module and not the other way round. It uses the `LocalSync`'s
+    counter, anchors, outer optimizer, stop and blocking `sync_pending`.
 
     Args:
         sync_every: local optimizer steps per window (≥ 1).
@@ -101,12 +105,12 @@ class OverlappedSync(local_sync.LocalSync):
         super().build(owner, variables, stop=stop)
         self.snapshots = [owner.add_variable(shape=v.shape, dtype=v.dtype, initializer="zeros",
                                              aggregation="none",
-                                             name=f"{local_sync._name(v)}_snapshot")
+                                             name=f"{_name(v)}_snapshot")
                           for v in self._variables]
         self.received = [owner.add_variable(shape=(math.prod(v.shape),),
                                             dtype=v.dtype, initializer="zeros",
                                             aggregation="none",
-                                            name=f"{local_sync._name(v)}_received")
+                                            name=f"{_name(v)}_received")
                          for v in self._variables]
         self.received.append(owner.add_variable(shape=(1,), dtype="float32",
                                                 initializer="zeros", aggregation="none",
@@ -256,3 +260,7 @@ class OverlappedSync(local_sync.LocalSync):
 
     def get_config(self) -> dict:
         return {**super().get_config(), "overlap": True}
+
+
+def _name(variable) -> str:
+    return getattr(variable, "path", variable.name).replace("/", "_").replace(":", "_")
