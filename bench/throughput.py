@@ -37,6 +37,11 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
   outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9;
   `tfdp.distribute.local_sync`). Each timed `fit` call is one epoch, which
   also ends a window;
+- `tfdp_fit_diloco_overlap`: `tfdp_fit_diloco` with `overlap_sync=True`: each
+  window's all-reduce runs in a background thread during the next window and
+  is applied one window late (`tfdp.distribute.overlapped_sync`); needs
+  `steps_per_execution` dividing `diloco_sync_every`. The epoch's end waits
+  for the last all-reduce (in the whole call's time, not the steady state's);
 - `trainer`: `tfdp.Trainer(..., steps_per_loop=N)`, with an accuracy metric;
 - `loop_1`: a hand-written loop, one `strategy.run` step per `tf.function`
   call, no metrics;
@@ -61,7 +66,7 @@ import time
 from typing import Callable
 
 PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica",
-         "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "trainer", "loop_1", "loop_n",
+         "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "tfdp_fit_diloco_overlap", "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
 #: How the hand-written loops exchange gradients (see the module docstring).
@@ -159,11 +164,12 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
             local = {}
             if compression == "local_sgd":
                 local = dict(sync_every=spec["local_sgd_sync_every"])
-            elif compression == "diloco":
+            elif compression in ("diloco", "diloco_overlap"):
                 from tfdp.distribute import local_sync
 
                 local = dict(sync_every=spec["diloco_sync_every"],
-                             outer_optimizer=local_sync.diloco_outer_optimizer(0.7, 0.9))
+                             outer_optimizer=local_sync.diloco_outer_optimizer(0.7, 0.9),
+                             overlap_sync=compression == "diloco_overlap")
             tfdp.compile(model, all_reduce_dtype=all_reduce_dtype,
                          loss_normalization=loss_normalization,
                          gradient_compression=compressor, **local, **arguments)
@@ -316,7 +322,8 @@ def _runner(path, strategy, dataset, spec, mark):
 
 _COMPRESSION_OF_PATH = {"tfdp_fit_powersgd": "powersgd", "tfdp_fit_topk": "topk",
                         "tfdp_fit_float8": "float8",
-                        "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco"}
+                        "tfdp_fit_local_sgd": "local_sgd", "tfdp_fit_diloco": "diloco",
+                        "tfdp_fit_diloco_overlap": "diloco_overlap"}
 
 
 def _steps_per_call(path: str, spec: dict) -> int:

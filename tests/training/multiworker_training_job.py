@@ -279,7 +279,8 @@ def count_all_reduces(strategy):
 
 def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
               steps_per_execution=1, jit_compile=False, gradient_compression=None,
-              sync_every=1, make_outer_optimizer=None, shard_optimizer_state=False):
+              sync_every=1, make_outer_optimizer=None, shard_optimizer_state=False,
+              overlap_sync=False):
     """Trains `build_model()` for one epoch with tfdp.compile; returns `{name_*: ...}`.
 
     The trained model stays in `_TRAINED[name]`.
@@ -291,7 +292,7 @@ def _fit_case(tfdp, strategy, counter, name, *, make_optimizer, accum_steps,
                      jit_compile=jit_compile, gradient_compression=gradient_compression,
                      sync_every=sync_every,
                      outer_optimizer=make_outer_optimizer and make_outer_optimizer(),
-                     shard_optimizer_state=shard_optimizer_state)
+                     shard_optimizer_state=shard_optimizer_state, overlap_sync=overlap_sync)
     from tfdp.training import nonfinite
     from tfdp._upstream import loss_scale
 
@@ -570,7 +571,12 @@ def diloco_outer_optimizer():
 LOCAL_CASES = {
     "local_sgd": (4, None, 1, 2),
     "diloco": (2, diloco_outer_optimizer, ACCUM_STEPS, 3),
+    # Overlapped: windows end after steps 2, 4 and 6, each all-reduce in a background
+    # thread while the next window computes; the epoch's end only applies the last.
+    "diloco_overlap": (2, diloco_outer_optimizer, ACCUM_STEPS, 3),
 }
+#: The LOCAL_CASES trained with overlap_sync=True (tfdp.distribute.overlapped_sync).
+OVERLAPPED = {"diloco_overlap"}
 
 
 def _local_cases(tfdp, strategy, counter):
@@ -578,7 +584,8 @@ def _local_cases(tfdp, strategy, counter):
     for name, (sync_every, make_outer, accum_steps, _) in LOCAL_CASES.items():
         results.update(_fit_case(tfdp, strategy, counter, name, make_optimizer=optimizer,
                                  accum_steps=accum_steps, sync_every=sync_every,
-                                 make_outer_optimizer=make_outer))
+                                 make_outer_optimizer=make_outer,
+                                 overlap_sync=name in OVERLAPPED))
     return results
 
 

@@ -208,7 +208,12 @@ def test_local_steps_on_two_workers_equal_two_replicas_in_one_process(workers, n
     The logical-replica path is checked against a NumPy simulation in
     tests/training/test_local_sync.py; here each worker must end with the
     same synchronised weights, after one all-reduce of the weights per
-    window and none between.
+    window and none between. Overlapped (`diloco_overlap`), each worker's
+    all-reduce runs in a background thread while its main thread computes
+    (and launches the per-step collectives of scalars Keras and the
+    distributed iterator make): the reference is the same on 2 logical
+    replicas, checked against the delayed algorithm's NumPy simulation in
+    tests/training/test_overlapped_sync.py.
     """
     import tfdp
 
@@ -217,7 +222,8 @@ def test_local_steps_on_two_workers_equal_two_replicas_in_one_process(workers, n
     with strategy.scope():
         model = job.build_model()
         tfdp.compile(model, optimizer=job.optimizer(), loss=job.loss(), accum_steps=accum_steps,
-                     sync_every=sync_every, outer_optimizer=make_outer and make_outer())
+                     sync_every=sync_every, outer_optimizer=make_outer and make_outer(),
+                     overlap_sync=name in job.OVERLAPPED)
     model.fit(job.global_batches(), epochs=1, verbose=0)
     _, records = workers
     for record in records:

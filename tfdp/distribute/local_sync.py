@@ -35,6 +35,12 @@ calls it after each local step, and `sync_pending` at the points where
 weights must be the same everywhere (ends of epochs, evaluation, the end of
 training). Checkpoints do not synchronise: tfdp's save every replica's
 weights (`tfdp.training.replica_state`), so a window runs on across a save.
+
+`overlap=True` (`make`, or `overlap_sync=True` in `tfdp.compile` and
+`tfdp.Trainer`) gives `OverlappedSync` instead
+(`tfdp.distribute.overlapped_sync`): the all-reduce of a window runs in a
+background thread while the next window computes, and is applied one
+window late.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import keras
 import tensorflow as tf
 
 from tfdp._upstream import keras_optimizer_reduction
+from tfdp.distribute import overlapped_sync
 from tfdp.distribute import reduction
 from tfdp.distribute import replica_cond
 
@@ -65,16 +72,36 @@ def diloco_outer_optimizer(learning_rate: float = 0.7, momentum: float = 0.9):
                                 name="outer_optimizer")
 
 
-def from_arguments(sync_every: int, outer_optimizer) -> "LocalSync | None":
-    """The `LocalSync` for the `sync_every` and `outer_optimizer` arguments; None when synchronous.
+def check_overlap(overlap) -> None:
+    """Raises ValueError unless `overlap` is a bool."""
+    if not isinstance(overlap, bool):
+        raise ValueError(
+            "`overlap_sync` must be True (the weights' all-reduce of a window runs while the "
+            "next window computes, and is applied one window late) or False. "
+            f"Received: overlap_sync={overlap!r}"
+        )
+
+
+def make(sync_every: int, outer_optimizer=None, overlap: bool = False) -> "LocalSync":
+    """A `LocalSync`, or with `overlap` its overlapped form (`tfdp.distribute.overlapped_sync`)."""
+    check_overlap(overlap)
+    if overlap:
+        return OverlappedSync(sync_every, outer_optimizer)
+    return LocalSync(sync_every, outer_optimizer)
+
+
+def from_arguments(sync_every: int, outer_optimizer, overlap: bool = False) -> "LocalSync | None":
+    """The `LocalSync` for the `sync_every`, `outer_optimizer` and `overlap_sync` arguments.
 
     `sync_every=1` without an outer optimizer is synchronous training, and
-    takes exactly its path (one gradient all-reduce per step).
+    takes exactly its path (one gradient all-reduce per step): None (the
+    option rules refuse `overlap_sync=True` there).
     """
     check_sync_every(sync_every)
+    check_overlap(overlap)
     if sync_every == 1 and outer_optimizer is None:
         return None
-    return LocalSync(sync_every, outer_optimizer)
+    return make(sync_every, outer_optimizer, overlap)
 
 
 class LocalSync:
@@ -85,7 +112,13 @@ class LocalSync:
         outer_optimizer: `None` for local SGD (the replicas' weights are
             averaged), or a Keras optimizer (instance or name) for DiLoCo's
             outer step.
+
+    Attributes:
+        overlap: whether the all-reduce overlaps the next window
+            (`OverlappedSync`); False here.
     """
+
+    overlap = False
 
     def __init__(self, sync_every: int, outer_optimizer=None):
         check_sync_every(sync_every)
@@ -151,6 +184,17 @@ class LocalSync:
     def weights(self) -> list:
         """The variables it synchronises (the wrapper's trainable variables; empty until built)."""
         return list(self._variables)
+
+    @property
+    def replica_variables(self) -> list:
+        """Per-replica state besides the weights (the overlapped form's snapshots); none here."""
+        return []
+
+    def after_call(self) -> None:
+        """Outside `tf.function`, after each call of the train function; nothing here (see overlapped_sync)."""
+
+    def quiesce(self) -> None:
+        """Outside `tf.function`: waits for a collective running in the background; none here."""
 
     @property
     def outer_variables(self) -> list:
@@ -242,7 +286,11 @@ class LocalSync:
         outer = config.get("outer_optimizer")
         if isinstance(outer, dict):
             outer = keras.saving.deserialize_keras_object(outer)
-        return cls(config["sync_every"], outer)
+        return make(config["sync_every"], outer, config.get("overlap", False))
+
+
+class OverlappedSync(overlapped_sync.Overlap, LocalSync):
+    """`LocalSync` whose all-reduce overlaps the next window (`tfdp.distribute.overlapped_sync`)."""
 
 
 def _name(variable) -> str:

@@ -128,6 +128,7 @@ def compile(  # pylint: disable=redefined-builtin
     gradient_compression=None,
     sync_every: int = 1,
     outer_optimizer=None,
+    overlap_sync: bool = False,
     shard_optimizer_state: bool = False,
     balance_batches: bool | balanced_batches.BalanceOptions = False,
     **compile_kwargs,
@@ -241,6 +242,12 @@ def compile(  # pylint: disable=redefined-builtin
             `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
             paper's). Not with
             `gradient_compression`.
+        overlap_sync: with True (and local steps: `sync_every > 1` or an
+            `outer_optimizer`), each window's all-reduce runs in a
+            background thread while the next window computes, and is
+            applied one window late, each replica keeping its progress since
+            (`tfdp.distribute.overlapped_sync`). Needs `steps_per_execution` dividing
+            `sync_every`. Defaults to False.
         shard_optimizer_state: with True, ZeRO-1: each replica keeps the
             optimizer's slots (momentum, Adam's moments) for its 1/N share of
             every weight only, updates that share after the gradient all-reduce
@@ -275,6 +282,7 @@ def compile(  # pylint: disable=redefined-builtin
     steps_per_execution = _checks.check_int("steps_per_execution", steps_per_execution)
     all_reduce_dtype, compressor = compression.resolve(gradient_compression, all_reduce_dtype)
     local_sync_lib.check_sync_every(sync_every)
+    local_sync_lib.check_overlap(overlap_sync)
     nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
                                compressor, shard_optimizer_state)
     loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
@@ -286,11 +294,11 @@ def compile(  # pylint: disable=redefined-builtin
     # Every pair of options, before anything is built (tfdp.training.option_rules).
     option_rules.check(option_rules.TrainingOptions(
         nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
-        sync_every=sync_every, outer_optimizer=outer_optimizer,
+        sync_every=sync_every, outer_optimizer=outer_optimizer, overlap_sync=overlap_sync,
         shard_optimizer_state=shard_optimizer_state, accum_steps=accum_steps,
         steps_per_execution=steps_per_execution, loss_scaling=loss_scaling,
         jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing))
-    local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
+    local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer, overlap_sync)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
     tfdp_steps = _check_model(model, loss_normalization, accum_steps, local_sync is not None)

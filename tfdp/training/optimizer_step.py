@@ -101,6 +101,14 @@ class OptimizerStep(verdict_lib.Counters):
         """With local steps, synchronises the replicas' weights now if they differ (else nothing)."""
         self.exchange.sync_pending()
 
+    def after_call(self) -> None:
+        """Outside `tf.function`, after each call of the train function, on every worker (overlapped local steps)."""
+        self.exchange.after_call()
+
+    def quiesce(self) -> None:
+        """Waits for a collective the exchange runs in the background (before a save launches one)."""
+        self.exchange.quiesce()
+
     def _build_exchange(self, var_list) -> None:
         """Builds the exchange's per-replica state; tracks what it asks to be tracked."""
         exchange = self.exchange

@@ -45,6 +45,8 @@ class TrainingOptions:
             to 1 (synchronous).
         outer_optimizer: DiLoCo's outer optimizer, or `None`. Defaults to
             `None`.
+        overlap_sync: local steps whose all-reduce overlaps the next
+            window (`tfdp.distribute.overlapped_sync`). Defaults to False.
         shard_optimizer_state: ZeRO-1. Defaults to False.
         accum_steps: micro-batches per optimizer step. Defaults to 1.
         steps_per_execution: optimizer steps per `tf.function` call
@@ -63,6 +65,7 @@ class TrainingOptions:
     compressor: Any = None
     sync_every: int = 1
     outer_optimizer: Any = None
+    overlap_sync: bool = False
     shard_optimizer_state: bool = False
     accum_steps: int = 1
     steps_per_execution: int = 1
@@ -182,6 +185,18 @@ RULES: tuple[Rule, ...] = (
          "each replica times its step with tf.timestamp, which XLA cannot compile.",
          "Use jit_compile=False with balance_batches, or balance_batches=False to compile "
          "with XLA."),
+    Rule("overlap_sync=True", "sync_every=1 and no outer_optimizer",
+         lambda o: o.overlap_sync and not o.steps_locally,
+         "there is no window for the all-reduce to overlap: synchronous training all-reduces "
+         "the gradients of every step.",
+         "Use sync_every > 1 or an outer_optimizer with overlap_sync=True, or "
+         "overlap_sync=False."),
+    Rule("overlap_sync=True", "steps_per_execution={o.steps_per_execution} (steps_per_loop)",
+         lambda o: (o.overlap_sync and o.steps_locally
+                    and o.sync_every % o.steps_per_execution != 0),
+         "an overlapped window ends between calls of the train function, so a call of "
+         "{o.steps_per_execution} steps would stretch windows of sync_every={o.sync_every}.",
+         "Use a steps_per_execution that divides sync_every, or overlap_sync=False."),
     Rule("{o.local_steps}", "shard_optimizer_state=True",
          lambda o: o.steps_locally and o.shard_optimizer_state,
          "between synchronisations every replica updates all of its own weights with its "

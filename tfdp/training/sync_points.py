@@ -23,6 +23,7 @@ import keras
 
 from tfdp.training import step_monitor
 from tfdp.training.callback_order import with_callback_first
+from tfdp.training.nonfinite import guard_of
 
 
 class SyncAtEpochEnd(keras.callbacks.Callback):
@@ -37,6 +38,8 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         super().__init__()
         self._optimizer = optimizer
         self._monitor = monitor  # fit's own (`step_monitor.install_fit_check`), or None
+        guard = guard_of(optimizer)
+        self._overlap = bool(getattr(getattr(guard, "local_sync", None), "overlap", False))
 
     def _sync(self):
         self._optimizer.sync_pending()
@@ -53,9 +56,14 @@ class SyncAtEpochEnd(keras.callbacks.Callback):
         # tensorflow/tensorflow#78338). If it ever does, remove this method
         # rather than mark it async_safe: a collective on the callback thread
         # would race the next train step.
+        # Overlapped local steps (overlap_sync) end their windows here, between
+        # calls of the train function, and start the all-reduce in a thread.
+        self._optimizer.after_call()
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:
             self._sync()
+        elif self._monitor is not None and self._overlap:
+            self._monitor.check()  # a stop agreed at an overlapped window's end
 
     def on_epoch_end(self, epoch, logs=None):
         self._sync()

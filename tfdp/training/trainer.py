@@ -187,6 +187,12 @@ class Trainer:
             DiLoCo's outer step at each synchronisation (e.g.
             `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`, the
             paper's).
+        overlap_sync: with True (and local steps: `sync_every > 1` or an
+            `outer_optimizer`), each window's all-reduce runs in a
+            background thread while the next window computes, and is
+            applied one window late, each replica keeping its progress since
+            (`tfdp.distribute.overlapped_sync`). Needs `steps_per_loop` dividing
+            `sync_every`. Defaults to False.
         shard_optimizer_state: with True, ZeRO-1: each replica keeps the
             optimizer's slots (momentum, Adam's moments) for its 1/N share of
             every weight only, updates that share after the gradient all-reduce
@@ -233,6 +239,7 @@ class Trainer:
         gradient_compression=None,
         sync_every: int = 1,
         outer_optimizer=None,
+        overlap_sync: bool = False,
         shard_optimizer_state: bool = False,
         balance_batches: bool | balanced_batches.BalanceOptions = False,
     ):
@@ -268,19 +275,20 @@ class Trainer:
         _checks.check_int("checkpoint_every", checkpoint_every, allow_none=True)
         _checks.check_int("max_to_keep", max_to_keep)
         local_sync_lib.check_sync_every(sync_every)
+        local_sync_lib.check_overlap(overlap_sync)
         nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
                                    compressor, shard_optimizer_state)
         # Every pair of options, before anything is built (tfdp.training.option_rules).
         option_rules.check(option_rules.TrainingOptions(
             nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
-            sync_every=sync_every, outer_optimizer=outer_optimizer,
+            sync_every=sync_every, outer_optimizer=outer_optimizer, overlap_sync=overlap_sync,
             shard_optimizer_state=shard_optimizer_state, accum_steps=batch.accum_steps,
             steps_per_execution=steps_per_loop,
             loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
             jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing))
         if balancing:
             balanced_batches.check_loss_normalization(loss_normalization)
-        local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer)
+        local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer, overlap_sync)
         if jit_compile:
             devices.check_jit_compile_supported(strategy)
         shard_layout.check_sharded_exchange(  # reduce-scatter, or refuse now
@@ -563,6 +571,7 @@ class Trainer:
                 loop_start = time.perf_counter()
                 self.train_loop_begin()
                 ran = int(self._steps.train_loop_until_end(iterator, tf.constant(num)))
+                self._after_call()
                 self.train_loop_end()
                 self._after_steps(ran)
                 if ran:
@@ -636,6 +645,7 @@ class Trainer:
                 loop_start = time.perf_counter()
                 self.train_loop_begin()
                 self._steps.train_loop(iterator, tf.constant(num))
+                self._after_call()
                 if offset + num == steps_per_epoch:
                     self._sync_pending()  # an epoch's last steps end a local window
                 self.train_loop_end()
@@ -793,10 +803,17 @@ class Trainer:
             if training and self._guard.steps_locally:
                 self._monitor.check()
 
+    def _after_call(self) -> None:
+        """After each training call: overlapped local steps end their windows here."""
+        if self._guard is not None:
+            self._guard.after_call()
+
     def _save(self, step: int):
         """Saves the checkpoint of `step` (a collective: every worker calls it)."""
         if self._checkpoints is None or step == self._last_saved_step:
             return  # no model_dir (checkpoint_every alone saves nothing), or saved
+        if self._guard is not None:
+            self._guard.quiesce()  # no all-reduce in flight while the save runs its own
         # No synchronisation first (local steps): every worker's replicas save
         # their own weights (tfdp.training.replica_state), so a save does not
         # end a window and the trajectory is that of a run without saves.

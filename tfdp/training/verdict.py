@@ -63,6 +63,7 @@ def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
         nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
         sync_every=1 if local_sync is None else local_sync.sync_every,
         outer_optimizer=None if local_sync is None else local_sync.outer_optimizer,
+        overlap_sync=local_sync is not None and local_sync.overlap,
         shard_optimizer_state=shard_optimizer_state))
 
 
@@ -158,9 +159,14 @@ class Counters:
         return self.consecutive_skipped_steps >= self.max_consecutive_nonfinite
 
     def _count_skip(self, counts_in_a_row) -> None:
-        """Counts a skipped step (unless exhausted); in a row only where `counts_in_a_row`."""
+        """Counts a skipped step (unless exhausted, but always under local steps); in a row only where `counts_in_a_row`."""
         live = tf.logical_not(self.exhausted())
-        self.skipped_steps.assign_add(tf.cast(live, "int64"))
+        # Under local steps an exhausted replica runs on, skipping, until the
+        # workers agree to stop at a synchronisation (one window later when
+        # overlapped): it consumes those batches, so they count, and the
+        # loops' check that every step run was counted holds on it too.
+        counted = tf.constant(True) if getattr(self, "steps_locally", False) else live
+        self.skipped_steps.assign_add(tf.cast(counted, "int64"))
         self.consecutive_skipped_steps.assign_add(
             tf.cast(tf.logical_and(live, counts_in_a_row), "int64")
         )

@@ -503,6 +503,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Saves the current state (a collective: every worker must call it)."""
         if self._step == self._last_saved_step:  # nothing new (or just restored)
             return
+        quiesce = getattr(self.model.optimizer, "quiesce", None)
+        if quiesce is not None:  # no overlapped all-reduce in flight during the save
+            quiesce()
         # No synchronisation first under local steps (sync_every): each
         # worker's replicas save their own weights (tfdp.training.replica_state),
         # so a save does not end a window nor change the trajectory.

@@ -6,7 +6,8 @@
   start step and error memories;
 - `sharded`: ZeRO-1 around either of those (reduce-scatter, chunks, gather);
 - `local_steps`: local SGD and DiLoCo (no gradient exchange; the weights
-  meet every `sync_every` steps).
+  meet every `sync_every` steps, or, overlapped, their all-reduce runs
+  during the next window: `tfdp.distribute.overlapped_sync`).
 
 `for_options` picks and composes them from the wrapper's options; which
 options may be combined at all is `tfdp.training.option_rules`'s, checked

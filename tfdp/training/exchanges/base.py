@@ -89,7 +89,13 @@ class Exchange:
     - `finish(context)`: after the step was applied or skipped, on every
       replica alike (collectives allowed);
     - `sync_pending()`: outside `tf.function`, make the replicas' weights
-      equal now if they differ (checkpoints, evaluation, ends of epochs).
+      equal now if they differ (evaluation, ends of epochs);
+    - `after_call()`: outside `tf.function`, after each call of the train
+      function, on every worker alike (overlapped local steps end their
+      windows here and start the all-reduce in a background thread);
+    - `quiesce()`: outside `tf.function`, wait for any collective the
+      exchange runs in the background, before the caller launches one
+      (checkpoint saves).
 
     Attributes:
         state_variables: the variables whose value differs per replica,
@@ -167,6 +173,12 @@ class Exchange:
         del context
 
     def sync_pending(self) -> None:
+        pass
+
+    def after_call(self) -> None:
+        pass
+
+    def quiesce(self) -> None:
         pass
 
     def save_own_variables(self, store, default: Callable) -> None:

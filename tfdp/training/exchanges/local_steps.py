@@ -5,7 +5,10 @@ optimizer's slots, so `exchange` sends nothing: it only lets DiLoCo remember
 the weights a window starts from. `finish` counts the step and, after
 `sync_every` of them, averages the weights (local SGD) or takes DiLoCo's
 outer step, in one exact float32 all-reduce (`tfdp.distribute.local_sync`,
-which owns the synchronisation). `sync_pending` synchronises a window cut
+which owns the synchronisation). Overlapped (`overlap_sync=True`,
+`tfdp.distribute.overlapped_sync`), the window ends in `after_call`, between
+calls of the train function, and its all-reduce runs in a background thread
+while the next window computes; `quiesce` waits for it. `sync_pending` synchronises a window cut
 short (ends of epochs, evaluation, the end of training); a checkpoint does
 not cut it.
 
@@ -45,8 +48,9 @@ class LocalSteps(base.Exchange):
         # The skip counters and loss scale too: each replica skips its own
         # non-finite steps, so they (and the inner optimizer's iterations, in
         # its variables) may differ from the others'.
+        # Overlapped (overlap_sync): each replica's snapshot of its weights too.
         return (list(self.optimizer.inner_optimizer.variables) + self.local_sync.weights
-                + self.optimizer.verdict_variables())
+                + self.local_sync.replica_variables + self.optimizer.verdict_variables())
 
     @property
     def lost_by_keras_saves(self) -> str:
@@ -81,3 +85,9 @@ class LocalSteps(base.Exchange):
 
     def sync_pending(self) -> None:
         self.local_sync.sync_pending()
+
+    def after_call(self) -> None:
+        self.local_sync.after_call()
+
+    def quiesce(self) -> None:
+        self.local_sync.quiesce()
