@@ -42,10 +42,13 @@ call divide H; the option rules refuse the others). The all-reduce is a
 `tf.function` of its own, traced in the main thread (so every worker assigns
 its collective keys in the same order) and run in a `threading.Thread`.
 This is public API: under MultiWorkerMirroredStrategy an all-reduce
-from a background thread runs while the main thread computes, provided the
-main thread launches no collective meanwhile (measured, issue 34). Local
-steps launch none; every other point that does (`sync_pending`, saves)
-first calls `quiesce`, which waits for the thread.
+from a background thread runs while the main thread computes (measured,
+issue 34). Local steps launch no weight collective of their own; the main
+thread's small per-call ones (Keras' log reduction, the distributed
+iterator's end-of-data check) ran beside the thread's in the 2-worker test
+of `tests/training/test_multiworker_training.py` without a hang. Every
+point that launches a weight collective (`sync_pending`, saves) first calls
+`quiesce`, which waits for the thread.
 
 Stopping. The requests to stop ride in the all-reduce as in `LocalSync`,
 and are agreed when it is applied, one window later; then the window is
