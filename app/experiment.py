@@ -269,6 +269,10 @@ def train_and_evaluate(
             f"{config.decay} decay; {config.epochs} epochs x {steps_per_epoch} steps",
             flush=True,
         )
+        if config.balance_batches and plan.num_replicas > 1:
+            print(f"tfdp-train: balanced batches: every worker reads each global batch of "
+                  f"{batch.global_batch} whole and computes a share that follows its measured "
+                  f"speed (equal at first, re-planned every 20 steps)", flush=True)
 
     unused = [train_data]
 
@@ -299,6 +303,7 @@ def train_and_evaluate(
         )
         eval_model = model
         steps = _training_steps(model.optimizer)
+        balance = getattr(model, "tfdp_balanced_batches", None)
     else:
         trainer = Trainer(
             model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
@@ -309,7 +314,10 @@ def train_and_evaluate(
             gradient_compression=config.gradient_compression_argument(),
             sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
             shard_optimizer_state=config.shard_optimizer_state,
+            balance_batches=config.balance_batches,
         )
+        if trainer.balanced_batches is not None:  # the plan in examples from the first step
+            trainer.balanced_batches.set_global_batch(batch.global_batch)
         # The Trainer's hooks around each training call; an epoch runs from
         # the call for its dataset to the next one's (or the end).
         trainer.train_loop_begin = clock.step_begin
@@ -338,6 +346,7 @@ def train_and_evaluate(
         result.pop("epochs")
         train_logs = result
         eval_model = trainer
+        balance = trainer.balanced_batches
     train_seconds = time.perf_counter() - train_started
     clock.end("outside_steps")
 
@@ -377,6 +386,10 @@ def train_and_evaluate(
         },
         "steps": steps,
         "steps_per_epoch": steps_per_epoch,
+        # --balance_batches: each worker's share at the end and every plan adopted.
+        "balanced_batches": None if balance is None else {
+            "shares": [int(s) for s in balance.plan.numpy()],
+            "plans": [[int(step), list(shares)] for step, shares in balance.history]},
         "examples_per_second": examples_per_second,
         "train_seconds": train_seconds,
         "wall_time_seconds": time.perf_counter() - start,
@@ -525,7 +538,10 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         gradient_compression=config.gradient_compression_argument(),
         sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
         shard_optimizer_state=config.shard_optimizer_state,
+        balance_batches=config.balance_batches,
     )
+    if getattr(model, "tfdp_balanced_batches", None) is not None:  # the plan in examples
+        model.tfdp_balanced_batches.set_global_batch(batch.global_batch)
     total_steps = config.epochs * steps_per_epoch
     if config.model_dir and _restore_finished_run(config, model, info, total_steps):
         return {}, 0.0

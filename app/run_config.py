@@ -84,6 +84,9 @@ class RunConfig:
         Nesterov outer step at each synchronisation; `tfdp.distribute.local_sync`),
         shard_optimizer_state (ZeRO-1: each replica keeps the optimizer's
         slots for its 1/N of the weights; `tfdp.distribute.optimizer_sharding`),
+        balance_batches (each worker reads every global batch whole and
+        computes a share that follows its measured speed;
+        `tfdp.training.balanced_batches`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only),
         log_every (--loop=fit: optimizer steps between the chief's progress
@@ -144,6 +147,7 @@ class RunConfig:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     shard_optimizer_state: bool = False
+    balance_batches: bool = False
     model_dir: str | None = None
     checkpoint_every: int | None = None
     log_every: int | None = None
@@ -214,6 +218,7 @@ class RunConfig:
         _positive("cpu_replicas", self.cpu_replicas, allow_none=True)
         _positive("bytes_per_pack", self.bytes_per_pack, minimum=0, allow_none=True)
         _positive("accum_steps", self.accum_steps, hint=" (1: no accumulation)")
+        self._validate_balance_batches()
         for name in ("remat", "sync_bn"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--{name} must be true or false. "
@@ -295,6 +300,44 @@ class RunConfig:
                 + ": local steps make no gradient all-reduce to compress (the weights are "
                 "averaged exactly). Drop one of them. Received: "
                 f"{flag}, --sync_every={self.sync_every}, --outer_lr={self.outer_lr}")
+
+    def _validate_balance_batches(self) -> None:
+        """The pairs `tfdp.training.option_rules` refuses with balance_batches, by flag."""
+        if not isinstance(self.balance_batches, bool):
+            raise ConfigError("--balance_batches must be true or false. "
+                              f"Received: --balance_batches={self.balance_batches!r}")
+        if not self.balance_batches:
+            return
+        local = self.sync_every > 1 or self.outer_lr is not None
+        refused = (
+            (self.accum_steps > 1, f"--accum_steps={self.accum_steps}",
+             "a worker's share follows its speed, so it need not split into equal "
+             "micro-batches; the shares are the memory knob"),
+            (local, f"--sync_every={self.sync_every}"
+             + (f" --outer_lr={self.outer_lr}" if self.outer_lr is not None else ""),
+             "local steps make no gradient all-reduce per step for the shares to complete or "
+             "the timings to ride in"),
+            (self.gradient_compression != "none",
+             f"--gradient_compression={self.gradient_compression}",
+             "the workers' compute seconds ride, exactly in float32, in the plain gradient "
+             "all-reduce, which a compressed sum replaces"),
+            (self.all_reduce_dtype is not None, f"--all_reduce_dtype={self.all_reduce_dtype}",
+             "the workers' compute seconds ride, exactly in float32, in the plain gradient "
+             "all-reduce, which a 16-bit sum replaces"),
+            (self.shard_optimizer_state, "--shard_optimizer_state",
+             "ZeRO-1 reduce-scatters the gradients, and the compute seconds ride only in the "
+             "plain all-reduce"),
+            (self.jit_compile, "--jit_compile",
+             "each worker times its step with tf.timestamp, which XLA cannot compile"),
+            (self.loss_normalization != "global",
+             f"--loss_normalization={self.loss_normalization}",
+             "each worker's own mean, averaged, would weigh the examples of a small share "
+             "more than those of a large one, so the result would depend on the plan"),
+        )
+        for applies, flag, why in refused:
+            if applies:
+                raise ConfigError(f"--balance_batches cannot be combined with {flag}: {why}. "
+                                  f"Drop one of them. Received: --balance_batches {flag}")
 
     def model_arguments(self) -> dict:
         """The model builder's options these flags set (`remat`, `sync_bn`), only those on."""

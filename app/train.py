@@ -172,31 +172,16 @@ flags.DEFINE_integer("log_every", None, "--loop=fit: a progress line (when stdou
                      "terminal) and TensorBoard scalars every N optimizer steps (default: every "
                      "--steps_per_loop).")
 
-flags.DEFINE_bool("balance_batches", False, "Not available in tfdp-train yet (exits 2): "
-                  "each worker's share of every global batch following its speed needs every "
-                  "worker to read whole global batches; use tfdp.compile(..., "
-                  "balance_batches=True) or tfdp.Trainer(balance_batches=True) in Python.")
+flags.DEFINE_bool("balance_batches", False, "Each worker computes a share of every global "
+                  "batch that follows its measured speed (re-planned every 20 steps), so a "
+                  "slow worker no longer holds the others back; the global batch, loss and "
+                  "gradient stay the same. Every worker reads each global batch whole, in one "
+                  "seekable order (exactly once per epoch, resumable at any step). Not with "
+                  "--accum_steps>1, local steps, gradient compression, "
+                  "--shard_optimizer_state, --jit_compile or "
+                  "--loss_normalization=per_replica.")
 
 FLAGS = flags.FLAGS
-
-
-def check_unavailable_flags() -> None:
-    """Refuses, by name, flags the library has and the CLI cannot run yet.
-
-    Raises:
-        run_config.ConfigError: `--balance_batches` was passed. Balancing
-            needs every worker to read whole global batches in the same
-            seekable global order (each worker cuts its share inside the
-            step), and the CLI's input is sharded per worker
-            (`pipelines.make_dataset(strategy=...)`).
-    """
-    if FLAGS.balance_batches:
-        raise run_config.ConfigError(
-            "--balance_batches is not available in tfdp-train yet: its input is sharded per "
-            "worker, and balancing needs every worker to read whole global batches. Use "
-            "tfdp.compile(model, ..., balance_batches=True) or "
-            "tfdp.Trainer(..., balance_batches=True) in Python, with a tf.data.Dataset of "
-            "global batches that is the same on every worker.")
 
 
 def config_from_flags() -> run_config.RunConfig:
@@ -279,6 +264,12 @@ def _build_dataset(config: run_config.RunConfig, before=None):
             sequence_length=config.sequence_length, num_classes=config.num_classes)
         made["eval_split"] = _eval_split(config, source, data) if config.eval else None
         made["source"] = source
+        # No strategy: what --balance_batches reads the training split under.
+        # Taken now, outside any strategy's scope (later epochs may be built
+        # inside fit's).
+        import tensorflow as tf
+
+        made["no_strategy"] = tf.distribute.get_strategy()
         return made
 
     def build(role, *, training, strategy, batch, seed):
@@ -288,13 +279,16 @@ def _build_dataset(config: run_config.RunConfig, before=None):
         # Dataset-specific preprocessing: uint8 images scaled to [0, 1], then
         # resized (--image_size); token ids padded (--sequence_length).
         source_info = pipelines.describe_source(source, split=split, data_dir=config.data_dir)
+        whole = training and config.balance_batches and strategy.num_replicas_in_sync > 1
         dataset = pipelines.make_dataset(
-            source, split=split, strategy=strategy, batch=batch,
-            training=training, seed=seed, data_dir=config.data_dir,
+            source, split=split, training=training, seed=seed, data_dir=config.data_dir,
             preprocess=plan.preprocess(source_info.features, training=training),
+            **(whole_global_batches(batch, state["no_strategy"]) if whole
+               else {"strategy": strategy, "batch": batch}),
             # The run iterates a training stream, not epoch 0's dataset, where
-            # it can: planned only, epoch 0 is built if it is asked for.
-            distribute=not training,
+            # it can: planned only, epoch 0 is built if it is asked for. The
+            # balanced path's whole global batches are a plain tf.data.Dataset.
+            distribute=not training or whole,
         )
         info = dataset.pipeline_info
         feature_spec = info.element_spec[0]
@@ -310,6 +304,27 @@ def _build_dataset(config: run_config.RunConfig, before=None):
         )
 
     return build
+
+
+def whole_global_batches(batch, no_strategy) -> dict:
+    """`make_dataset` arguments for --balance_batches: one pipeline of whole global batches.
+
+    Balanced batches cut each worker's share inside the step, so every worker
+    reads every global batch whole, in the same order. The training split is
+    therefore read as one input pipeline feeding one replica a batch of
+    `batch.global_batch`, with no strategy, on every worker alike: the same
+    seekable epoch order (`epoch_stream`, `start_at_batch`), so each example
+    is computed once per epoch and a resumed run enters its epoch at the
+    exact batch.
+
+    Args:
+        batch: the run's `BatchConfig`.
+        no_strategy: TensorFlow's default strategy
+            (`tf.distribute.get_strategy()` outside any scope).
+    """
+    from tfdp.training.batch import BatchConfig
+
+    return {"strategy": no_strategy, "batch": BatchConfig.from_global(batch.global_batch, 1)}
 
 
 def _build_model(config: run_config.RunConfig):
@@ -412,7 +427,6 @@ def main(argv: Sequence[str]) -> None:
     clock.record("imports", clock.elapsed())
     try:
         with clock.phase("checks"):
-            check_unavailable_flags()
             config = config_from_flags()
             _check_names(config)
             described = _check_inputs(config)

@@ -18,6 +18,11 @@ same minutes of the same machine, each in fresh processes with deadlines:
 9. memory (`memory`): per-worker memory and step time with and without ZeRO-1
    (`shard_optimizer_state`), and the transformer with and without remat.
 
+and, after them, time to accuracy on digits (`time_to_accuracy`), the fixed
+costs of the README's job (`fixed_costs`) and the stragglers (`stragglers`:
+one of 2 workers held at half a CPU by a cgroup, the equal split against
+balanced batches, and both without the straggler).
+
 `workloads` defines the networks and data, `procs` runs processes,
 `worker` is the measurement processes' entry point, `suite` the order and
 sizes, `targets` the issue's thresholds, `report` the output files, `link`

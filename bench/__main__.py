@@ -12,6 +12,7 @@ otherwise. A skipped case (PyTorch not installed) is not a failure.
     python -m tfdp.bench --link 100mbit        # multi-worker cases over a 100 Mbit/s link
     python -m tfdp.bench --link 1gbit --cases communication,time_to_accuracy   # two cases only
     python -m tfdp.bench --cases fixed_costs   # the README's job vs plain Keras, start to exit
+    python -m tfdp.bench --cases stragglers    # one of 2 workers at half a CPU: equal vs balanced (root)
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ _SHAPED_LINK = flags.DEFINE_string(
 _CASES = flags.DEFINE_list(
     "cases", None, "Run only these cases (comma-separated: scaling, overhead, peer_torch, "
     "communication, time_to_accuracy, accumulation, allreduce, input_pipeline, predict, "
-    "memory, fixed_costs); the others are reported as skipped. Defaults to every case.")
+    "memory, fixed_costs, stragglers); the others are reported as skipped. Defaults to every case.")
 _TIMEOUT_SCALE = flags.DEFINE_float(
     "timeout_scale", 1.0, "Multiplies every subprocess deadline (busy or slow machines). "
     "A --link slower than 1gbit already stretches them by 1 Gbit/s ÷ its rate (10x at 100mbit).")
@@ -98,6 +99,7 @@ def main(argv) -> None:
         results = suite.run_suite(config)
     except link.LinkUnavailable as error:
         _exit_if_the_link_cannot_be_shaped(str(error))
+    results["command"] = " ".join(["python -m tfdp.bench", *sys.argv[1:]])
     paths = report.write(results, _OUT_DIR.value)
     print(report.markdown(results))
     print(f"[tfdp.bench] wrote {', '.join(paths.values())}")

@@ -134,6 +134,7 @@ def run_job(
     timeout: float,
     nproc: int | None = None,
     env: Mapping[str, str] | None = None,
+    wrap: Sequence[str] = (),
 ) -> dict:
     """Runs `python -m tfdp.bench.worker JOB` and returns what rank 0 wrote.
 
@@ -145,6 +146,9 @@ def run_job(
             (each gets TF_CONFIG and `TFDP_RANK`); `None` (default) runs one
             plain process without TF_CONFIG.
         env: extra environment variables.
+        wrap: a command prefix each process runs the job under, e.g.
+            `python -m tfdp.bench.straggler --rank 0 --cpu_fraction 0.5 --`
+            (under `tfdp-launch`, inside each worker). Defaults to none.
 
     Returns:
         The job's result dictionary.
@@ -154,7 +158,7 @@ def run_job(
     """
     with tempfile.TemporaryDirectory(prefix="tfdp-bench-") as directory:
         out = os.path.join(directory, "result.json")
-        command = [sys.executable, "-m", "tfdp.bench.worker", job,
+        command = [*wrap, sys.executable, "-m", "tfdp.bench.worker", job,
                    "--spec", json.dumps(dict(spec)), "--out", out]
         if nproc is not None:
             command = [*(_link_prefix if nproc > 1 else ()),

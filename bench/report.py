@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+from tfdp.bench import stragglers
 from tfdp.bench.time_to_accuracy import KERAS_FLOOR
 
 #: The issue's numbers, measured before tfdp on this machine (one thread per
@@ -83,6 +84,8 @@ def _machine(results) -> list[str]:
         f", {c['threads']} intra-/inter-op thread(s) per worker, suite took "
         f"{results.get('seconds', 0):.0f} s |",
         f"| link between workers | {_link(c)} |",
+        f"| date | {results.get('date', '–')} |",
+        f"| command | `{results.get('command', '–')}` |",
     ]
 
 
@@ -454,6 +457,8 @@ def markdown(results: dict) -> str:
          "time_to_accuracy", _time_to_accuracy),
         ("11. Fixed costs: the README's job against plain Keras, start to exit", "fixed_costs",
          _fixed_costs),
+        ("12. Stragglers: one of 2 workers at half a CPU, equal split vs balanced batches",
+         "stragglers", stragglers.markdown_lines),
     ]
     lines = ["# tfdp benchmark results", "", *_machine(results), "", "## Targets", "",
              *_targets(results)]

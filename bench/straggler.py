@@ -118,6 +118,44 @@ def _hierarchy() -> tuple[str, int] | None:
     return None
 
 
+def current_group() -> CpuGroup | None:
+    """The straggler group this process runs in (one `cpu_limited` made), or None.
+
+    Read from `/proc/self/cgroup`, so a process started under `run_wrapped`
+    (e.g. one worker of a benchmark) can report the quota it ran under and
+    its throttled periods.
+    """
+    hierarchy = _hierarchy()
+    if hierarchy is None:
+        return None
+    root, version = hierarchy
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, relative = line.split(":", 2)
+        wanted = controllers == "" if version == 2 else "cpu" in controllers.split(",")
+        if not wanted or not os.path.basename(relative).startswith(PREFIX):
+            continue
+        path = os.path.join(root, relative.lstrip("/"))
+        try:
+            if version == 1:
+                with open(os.path.join(path, "cpu.cfs_quota_us")) as f:
+                    quota, period = int(f.read()), PERIOD_US
+                with open(os.path.join(path, "cpu.cfs_period_us")) as f:
+                    period = int(f.read())
+            else:
+                with open(os.path.join(path, "cpu.max")) as f:
+                    quota_text, period_text = f.read().split()
+                quota, period = int(quota_text), int(period_text)
+        except (OSError, ValueError):
+            return None
+        return CpuGroup(path, version, quota / period)
+    return None
+
+
 def _write(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)

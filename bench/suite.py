@@ -13,8 +13,9 @@ DDP runs right after them on the same network, without and then with its
 communication hooks; then time to accuracy on digits (tfdp's gradient
 exchanges and DDP's hooks, each `repeats` times in rounds); then the
 all-reduce, accumulation, input-pipeline, batch-inference and memory cases;
-last the fixed costs (the README's main job, start to exit, against plain
-Keras).
+then the fixed costs (the README's main job, start to exit, against plain
+Keras); last the stragglers (2 workers, one in a CPU cgroup: the equal split
+against balanced batches, and both without the straggler).
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from tfdp.bench import peer_torch
 from tfdp.bench import predict
 from tfdp.bench import procs
 from tfdp.bench import scaling
+from tfdp.bench import stragglers
 from tfdp.bench import targets
 from tfdp.bench import throughput
 from tfdp.bench import time_to_accuracy
 
 CASES = ("scaling", "overhead", "peer_torch", "communication", "time_to_accuracy",
-         "accumulation", "allreduce", "input_pipeline", "predict", "memory", "fixed_costs")
+         "accumulation", "allreduce", "input_pipeline", "predict", "memory", "fixed_costs",
+         "stragglers")
 #: The link rate the subprocess deadlines were set for (bits/s); a slower `--link` stretches them.
 LINK_DEADLINES_BITS_PER_SECOND = 1e9
 
@@ -95,6 +98,11 @@ class SuiteConfig:
             Keras each round (`time_to_accuracy.measure_keras`), the floor.
         fixed_costs_epochs: epochs of every `fixed_costs` job (the README's
             main job trains 10), each run `repeats` times.
+        stragglers_epochs: epochs of every `stragglers` run (it does not stop
+            at 0.95), each of its four launches run `repeats` times.
+        stragglers_warmup_epochs: epochs left out of the `stragglers`
+            images/s (tracing, the balanced plan's first windows).
+        stragglers_cpu_fraction: CPUs' worth of time the straggler gets.
         cases: the cases to run (names from `CASES`; every one by default).
             The others are recorded as skipped. The CNN throughput launches
             run when scaling, overhead, peer_torch or communication is
@@ -134,6 +142,9 @@ class SuiteConfig:
     tta_max_epochs: int = 30
     tta_keras_floor: bool = True
     fixed_costs_epochs: int = 10
+    stragglers_epochs: int = 15
+    stragglers_warmup_epochs: int = 3
+    stragglers_cpu_fraction: float = 0.5
     cases: tuple[str, ...] = CASES
 
     def __post_init__(self):
@@ -167,10 +178,15 @@ class SuiteConfig:
                 f"tta_methods={self.tta_methods!r}, tta_hooks={self.tta_hooks!r}"
             )
         for name in ("memory_width", "memory_steps", "memory_rounds", "tta_max_epochs",
-                     "fixed_costs_epochs"):
+                     "fixed_costs_epochs", "stragglers_epochs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+        if self.stragglers_warmup_epochs < 0 or not 0.01 <= self.stragglers_cpu_fraction <= 64:
+            raise ValueError(
+                "`stragglers_warmup_epochs` must be >= 0 and `stragglers_cpu_fraction` in "
+                f"[0.01, 64]. Received: stragglers_warmup_epochs={self.stragglers_warmup_epochs!r}"
+                f", stragglers_cpu_fraction={self.stragglers_cpu_fraction!r}")
         if self.timeout_scale <= 0:
             raise ValueError(
                 f"`timeout_scale` must be positive. Received: timeout_scale={self.timeout_scale!r}"
@@ -196,6 +212,7 @@ class SuiteConfig:
             memory_remat_model=tuple({**memory.REMAT_MODEL, "sequence_length": 64,
                                       "num_layers": 2, "hidden": 64}.items()),
             tta_methods=("diloco",), tta_hooks=("powersgd",), tta_max_epochs=2,
+            stragglers_epochs=6,
         )
         values.update(overrides)
         return cls(**values)
@@ -206,7 +223,8 @@ class SuiteConfig:
 
         For checking the suite's wiring (the test suite runs it): every case,
         every path and every launch of `--quick`, with per-replica batches of
-        8, 2 timed executions of 2 steps, 1,000 predictions and 1 epoch of
+        8, 2 timed executions of 2 steps, 1,000 predictions, 2 epochs of each
+        straggler run and 1 epoch of
         time to accuracy, 2 epochs of each fixed-costs job. Its figures are
         not measurements of anything.
         """
@@ -214,7 +232,7 @@ class SuiteConfig:
             per_replica_batch=8, steps_per_execution=2, steps=4, accum_micro_batch=4,
             accum_steps_timed=2, all_reduce_iterations=2,
             predict_examples=1_000, predict_memory_examples=(500, 2_000),
-            memory_steps=1, tta_max_epochs=1, fixed_costs_epochs=2,
+            memory_steps=1, tta_max_epochs=1, fixed_costs_epochs=2, stragglers_epochs=2,
         )
         values.update(overrides)
         return cls.quick_config(**values)
@@ -294,7 +312,8 @@ def _not_selected(config: SuiteConfig) -> dict:
 
 def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
     start = time.monotonic()
-    results = {"machine": machine.describe(), "config": dataclasses.asdict(config)}
+    results = {"machine": machine.describe(), "config": dataclasses.asdict(config),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     selected = set(config.cases)
 
     def guarded(case: str, name: str, function: Callable[[], dict]) -> dict:
@@ -395,6 +414,12 @@ def _run_cases(config: SuiteConfig, log: Callable[[str], None]) -> dict:
     cases["fixed_costs"] = guarded("fixed_costs", "fixed_costs", lambda: fixed_costs.run(
         epochs=config.fixed_costs_epochs, repeats=config.repeats, timeout=config.timeout(600),
         log=log,
+    ))
+    cases["stragglers"] = guarded("stragglers", "stragglers", lambda: stragglers.run(
+        repeats=config.repeats, epochs=config.stragglers_epochs,
+        warmup_epochs=config.stragglers_warmup_epochs,
+        cpu_fraction=config.stragglers_cpu_fraction, threads=config.threads,
+        timeout=config.timeout(600), log=log,
     ))
     results["cases"] = {name: cases[name] for name in CASES}
     results["breakdown"] = (

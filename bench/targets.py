@@ -120,6 +120,14 @@ TARGETS = (
            "not --smoke's 2)", 1.5, False,
            lambda c: next(r for r in c["fixed_costs"]["rows"]
                           if r["job"] == "tfdp_fit")["over_keras"]),
+    Target("stragglers_balanced_over_equal",
+           "digits CNN, 2 workers, one at half a CPU (a cgroup): balanced batches ÷ the equal "
+           "split, images/s (medians over the rounds)", 1.35, True,
+           lambda c: c["stragglers"]["with_straggler"]["images_per_second_ratio"]),
+    Target("stragglers_no_straggler_cost",
+           "digits CNN, 2 workers, no straggler: 1 − balanced batches ÷ the equal split, "
+           "images/s (medians over the rounds)", 0.02, False,
+           lambda c: c["stragglers"]["without_straggler"]["images_per_second_cost"]),
 )
 
 

@@ -112,7 +112,8 @@ def _compile_arguments(method: str, spec: dict) -> dict:
                      f"Received: method={method!r}")
 
 
-def _fit_to_target(spec: dict, strategy, global_batch: int, compile_model) -> dict:
+def _fit_to_target(spec: dict, strategy, global_batch: int, compile_model, *,
+                   callbacks=(), stop_at_target: bool = True) -> dict:
     """Trains the digits `cnn` with `model.fit` until `spec["target"]`; the timing both Keras rows share.
 
     Args:
@@ -121,6 +122,9 @@ def _fit_to_target(spec: dict, strategy, global_batch: int, compile_model) -> di
         global_batch: examples per step over all replicas.
         compile_model: `compile_model(model, steps_per_execution=S, **compile_kwargs)`,
             `tfdp.compile` or `keras.Model.compile`.
+        callbacks: more Keras callbacks for `fit`, after the clock.
+        stop_at_target: stop after the first evaluation at the target
+            (else run all of `spec["max_epochs"]`).
 
     Returns:
         `_summary` of the run plus `"steps_per_execution"`.
@@ -156,11 +160,12 @@ def _fit_to_target(spec: dict, strategy, global_batch: int, compile_model) -> di
             epoch_ends.append(time.perf_counter() - self.start)
             accuracies.append(float(logs["val_accuracy"]))
             # Equal on every worker (a global evaluation): all stop together.
-            if accuracies[-1] >= spec["target"]:
+            if stop_at_target and accuracies[-1] >= spec["target"]:
                 self.model.stop_training = True
 
-    model.fit(train, steps_per_epoch=steps, validation_data=test, epochs=spec["max_epochs"],
-              verbose=0, callbacks=[Clock()])
+    model.fit(train, steps_per_epoch=steps, validation_data=test,
+              epochs=spec["max_epochs"], verbose=0,
+              callbacks=[Clock(), *callbacks])
     return {"steps_per_execution": steps_per_execution,
             **_summary(epoch_ends, accuracies, spec["target"])}
 

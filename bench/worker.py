@@ -31,6 +31,7 @@ JOBS = {
     "time_to_accuracy_tfdp": ("tfdp.bench.time_to_accuracy", "measure_tfdp", "tensorflow"),
     "time_to_accuracy_torch": ("tfdp.bench.time_to_accuracy", "measure_torch", "torch"),
     "time_to_accuracy_keras": ("tfdp.bench.time_to_accuracy", "measure_keras", "tensorflow"),
+    "stragglers": ("tfdp.bench.stragglers", "measure", "tensorflow"),
     "input_pipeline": ("tfdp.bench.input_pipeline", "measure", "tensorflow"),
     "predict": ("tfdp.bench.predict", "measure", "tensorflow"),
     "memory_zero": ("tfdp.bench.memory", "measure_zero", "tensorflow"),

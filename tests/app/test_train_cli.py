@@ -29,10 +29,23 @@ from tfdp.app import train as train_cli
         (["--model=cnn", "--sync_bn"], "--sync_bn: model 'cnn' has no BatchNormalization"),
         (["--model=transformer", "--sync_bn"], "Models that take --sync_bn: resnet20"),
         (["--model=mlp", "--remat"], "--remat: model 'mlp' has no blocks to recompute"),
-        (["--balance_batches"], "--balance_batches is not available in tfdp-train yet: its "
-         "input is sharded per worker, and balancing needs every worker to read whole global "
-         "batches. Use tfdp.compile(model, ..., balance_batches=True) or "
-         "tfdp.Trainer(..., balance_batches=True) in Python"),
+        # What tfdp.training.option_rules refuses with balanced batches, by flag.
+        (["--balance_batches", "--accum_steps=2"],
+         "--balance_batches cannot be combined with --accum_steps=2: a worker's share"),
+        (["--balance_batches", "--sync_every=8"],
+         "--balance_batches cannot be combined with --sync_every=8: local steps"),
+        (["--balance_batches", "--outer_lr=0.7"],
+         "--balance_batches cannot be combined with --sync_every=1 --outer_lr=0.7"),
+        (["--balance_batches", "--gradient_compression=powersgd"],
+         "--balance_batches cannot be combined with --gradient_compression=powersgd"),
+        (["--balance_batches", "--all_reduce_dtype=bfloat16"],
+         "--balance_batches cannot be combined with --all_reduce_dtype=bfloat16"),
+        (["--balance_batches", "--shard_optimizer_state"],
+         "--balance_batches cannot be combined with --shard_optimizer_state: ZeRO-1"),
+        (["--balance_batches", "--jit_compile"],
+         "--balance_batches cannot be combined with --jit_compile: each worker times"),
+        (["--balance_batches", "--loss_normalization=per_replica"],
+         "--balance_batches cannot be combined with --loss_normalization=per_replica"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(parse_flags, capsys, argv, message):

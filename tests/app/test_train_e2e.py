@@ -99,3 +99,19 @@ def test_communication_methods_reach_target_accuracy_on_two_workers(tmp_path, da
     for flag in flags:
         key, value = flag[2:].split("=")
         assert str(summary["config"][key]) == value
+
+
+@pytest.mark.slow
+def test_balanced_batches_reach_target_accuracy_on_two_workers(tmp_path, data_dir):
+    """--balance_batches with fit and a model_dir (its BackupAndRestore input): every worker
+    reads whole global batches, the plan always splits 64, and digits still reaches 0.95."""
+    result, summary = _tfdp_train(tmp_path, data_dir, "--loop=fit", "--balance_batches")
+    assert summary["eval"]["accuracy"] >= TARGET_ACCURACY, result.describe()
+    assert summary["strategy"]["num_workers"] == 2 and summary["config"]["balance_batches"]
+    assert summary["steps"] == summary["config"]["epochs"] * summary["steps_per_epoch"]
+    assert summary["steps_per_epoch"] == 1437 // 64  # the whole split, in global batches
+    balanced = summary["balanced_batches"]
+    assert sum(balanced["shares"]) == 64
+    assert all(sum(shares) == 64 for _, shares in balanced["plans"])
+    assert any("balanced batches: every worker reads each global batch of 64 whole" in line
+               for line in result.worker_stdout(0))

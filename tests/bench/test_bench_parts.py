@@ -641,3 +641,56 @@ def test_fixed_costs_rows_are_best_walls_over_plain_keras_and_the_best_runs_phas
     text = "\n".join(report._fixed_costs({**case, "epochs": 10, "repeats": 2}))
     assert "| imports | 7.00 |" in text and "| *train pipeline builds* | 3 |" in text
     assert "30.0 (35.0, 40.0) | 3.00 |" in text
+
+
+def _straggler_run(straggler, method, round_index, images_per_second, seconds):
+    return {"straggler": straggler, "method": method, "round": round_index,
+            "images_per_second": images_per_second, "seconds_to_target": seconds,
+            "epochs_to_target": None if seconds is None else 4,
+            "accuracies": [0.9, 0.96], "load_average_at_start": (1.0, 1.0, 1.0),
+            "balance": {"plans": [[66, [21, 43]]]} if method == "balanced" else None}
+
+
+def test_stragglers_summary_ratios_targets_and_report():
+    from tfdp.bench import stragglers
+
+    runs = [_straggler_run(True, "equal", 0, 1000.0, 4.0),
+            _straggler_run(True, "balanced", 0, 1400.0, 3.0),
+            _straggler_run(False, "equal", 0, 2000.0, 2.0),
+            _straggler_run(False, "balanced", 0, 1980.0, 2.1),
+            _straggler_run(True, "equal", 1, 1100.0, 4.4),
+            _straggler_run(True, "balanced", 1, 1650.0, 3.3),
+            _straggler_run(False, "equal", 1, 2100.0, 2.0),
+            _straggler_run(False, "balanced", 1, 2100.0, None)]
+    case = stragglers.summarize(runs)
+    assert [(r["straggler"], r["method"]) for r in case["rows"]] == [
+        (True, "equal"), (True, "balanced"), (False, "equal"), (False, "balanced")]
+    slowed, free = case["with_straggler"], case["without_straggler"]
+    assert slowed["images_per_second_ratio"] == pytest.approx(1525 / 1050)
+    assert slowed["images_per_second_ratio_per_round"] == pytest.approx([1.4, 1.5])
+    assert slowed["seconds_to_target_ratio"] == pytest.approx(3.15 / 4.2)
+    assert slowed["straggler_cost"] == pytest.approx(1 - 1050 / 2050)
+    assert free["images_per_second_cost"] == pytest.approx(1 - 2040 / 2050)
+    # A balanced run without a straggler missed the target: no time ratio, no median.
+    assert free["seconds_to_target_ratio"] is None
+    assert case["rows"][3]["reached"] == 1 and case["rows"][3]["seconds_to_target"][
+        "median"] is None
+    measured = {t["name"]: t for t in targets.check({"stragglers": case})}
+    assert measured["stragglers_balanced_over_equal"]["met"] is True
+    assert measured["stragglers_no_straggler_cost"]["met"] is True
+    text = "\n".join(stragglers.markdown_lines(
+        {**case, "runs": runs, "repeats": 2, "epochs": 15, "warmup_epochs": 3,
+         "cpu_fraction": 0.5, "straggler_rank": 0}))
+    assert "| yes | balanced | 1,525 (1,400–1,650) | 3.1 (3.0–3.3) |" in text
+    assert "balanced ÷ equal images/s 1.45 (per round: 1.40, 1.50)" in text
+    assert "round 1: [[66, [21, 43]]]" in text
+
+
+def test_the_stragglers_case_is_skipped_with_the_reason_without_cgroups(monkeypatch):
+    from tfdp.bench import straggler
+    from tfdp.bench import stragglers
+
+    monkeypatch.setattr(straggler, "why_unavailable", lambda: "no CPU controller here")
+    monkeypatch.setattr(procs, "run_job", lambda *a, **k: pytest.fail("launched"))
+    assert stragglers.run(repeats=1, epochs=2) == {"status": "skipped",
+                                                    "reason": "no CPU controller here"}

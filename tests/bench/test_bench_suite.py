@@ -9,6 +9,7 @@ machines are shared.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from tfdp.bench import communication as communication_lib
 from tfdp.bench import fixed_costs as fixed_costs_lib
 from tfdp.bench import peer_torch
 from tfdp.bench import report
+from tfdp.bench import straggler
 from tfdp.bench import suite
 from tfdp.bench import targets
 
@@ -34,6 +36,7 @@ TIMEOUT_SECONDS = 1200
 @pytest.mark.timeout(TIMEOUT_SECONDS + 60)
 def test_smoke_suite_writes_every_case(tmp_path):
     out_dir = tmp_path / "bench"
+    groups_before = _straggler_groups()
     completed = subprocess.run(
         [sys.executable, "-m", "tfdp.bench", "--smoke", "--out_dir", str(out_dir),
          "--timeout_scale", "2"],
@@ -111,10 +114,50 @@ def test_smoke_suite_writes_every_case(tmp_path):
         assert sum(fixed["phases"][job].values()) <= run["phases"]["wall_seconds"]
         assert run["phases"]["wall_seconds"] <= run["wall_seconds"]
 
+    _check_stragglers(results["cases"]["stragglers"])
+    assert _straggler_groups() == groups_before  # every cgroup removed
+
     markdown = (out_dir / "results.md").read_text()
+    assert results["command"].startswith("python -m tfdp.bench --smoke")
+    assert results["date"] in markdown and results["command"] in markdown
     for heading in ("## Targets", "## 1. Scaling", "## 2. Overhead", "## 3. Peer",
                     "## 4. Communication", "## 5. Gradient accumulation", "## 6. All-reduce",
                     "## 7. Input pipeline", "## 8. Batch inference", "## 9. Memory",
-                    "## 10. Time to accuracy", "## 11. Fixed costs"):
+                    "## 10. Time to accuracy", "## 11. Fixed costs", "## 12. Stragglers"):
         assert heading in markdown
     assert results["machine"]["cpu"] in markdown
+
+
+def _straggler_groups() -> list[str]:
+    hierarchy = straggler._hierarchy()
+    if hierarchy is None:
+        return []
+    return sorted(n for n in os.listdir(hierarchy[0]) if n.startswith(straggler.PREFIX))
+
+
+def _check_stragglers(case: dict) -> None:
+    """The four launches ran, the straggler really was held back, the balanced plans partition 64."""
+    reason = straggler.why_unavailable()
+    if reason is not None:
+        assert (case["status"], case["reason"]) == ("skipped", reason)
+        return
+    assert case["status"] == "ok", case
+    assert [(r["straggler"], r["method"], r["runs"]) for r in case["rows"]] == [
+        (True, "equal", 1), (True, "balanced", 1), (False, "equal", 1), (False, "balanced", 1)]
+    for run in case["runs"]:  # 2 epochs each (--smoke), each evaluated, none stopped early
+        assert run["workers"] == 2 and run["global_batch"] == 64
+        assert len(run["accuracies"]) == len(run["train_seconds"]) == 2
+        assert run["images_per_second"] > 0
+        if run["straggler"]:  # the chief ran in the group, and the kernel throttled it
+            assert os.path.basename(run["cgroup"]).startswith(straggler.PREFIX)
+            assert run["cpu_fraction"] == 0.5 and run["throttled_periods"] >= 1
+        else:
+            assert run["cgroup"] is None and run["throttled_periods"] is None
+        if run["method"] == "balanced":
+            assert run["balance"]["plans"] == [] or all(
+                sum(shares) == 64 for _, shares in run["balance"]["plans"])
+            assert sum(run["balance"]["final_shares"]) == 64
+        else:
+            assert run["balance"] is None
+    for key in ("with_straggler", "without_straggler"):
+        assert case[key]["images_per_second_ratio"] > 0

@@ -124,3 +124,17 @@ def test_the_wrapper_passes_sigterm_on_and_removes_its_group():
     wrapper.terminate()
     assert wrapper.wait(timeout=30) == 42  # the command's own exit, after its handler
     assert _leftover_groups() == before
+
+
+def test_a_process_in_the_group_finds_its_group_and_quota():
+    """What a benchmark worker records as proof that it ran throttled (`current_group`)."""
+    assert straggler.current_group() is None  # this test process runs in no group
+    code = ("from tfdp.bench import straggler\ng = straggler.current_group()\n"
+            "print(g.path, g.cpu_fraction, g.throttled_periods())")
+    out = subprocess.run([sys.executable, "-m", "tfdp.bench.straggler", "--cpu_fraction", "0.3",
+                          "--", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    path, fraction, throttled = out
+    assert os.path.basename(path).startswith(straggler.PREFIX)
+    assert float(fraction) == 0.3 and int(throttled) >= 0
+    assert not os.path.exists(path)  # removed when the command ended

@@ -424,3 +424,61 @@ def test_trainer_resumed_mid_epoch_equals_one_device(two_replicas, tmp_path):
     logs = resumed.train(dataset(), epochs=2)
     assert logs["steps"] == 2 * STEPS
     assert max_difference(resumed.model.get_weights(), weights) < 1e-5
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _InterruptAfter(keras.callbacks.Callback):
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= self.steps:
+            raise _Interrupted()
+
+
+@pytest.mark.slow
+def test_fit_on_a_backup_wrapped_input_resumed_mid_epoch_equals_one_device(two_replicas,
+                                                                           tmp_path):
+    """fit(backup.wrap(...)) with balance_batches: stopped after 3 steps, resumed at batch 3
+    of epoch 0 (each epoch a tf.data.Dataset, replicated whole): one device's weights."""
+    from tfdp.callbacks import BackupAndRestore
+
+    weights, _ = one_device()
+    options = balanced_batches.BalanceOptions(replan_every=None, shares=PLAN)
+    backup_dir = tmp_path / "backup"
+
+    def run(callbacks):
+        with two_replicas.scope():
+            m = model()
+            tfdp.compile(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9),
+                         loss=loss(), balance_batches=options)
+        backup = BackupAndRestore(backup_dir, save_freq=1)
+        m.fit(backup.wrap(lambda epoch: dataset()), epochs=2, verbose=0,
+              callbacks=[backup, *callbacks])
+        return m
+
+    with pytest.raises(_Interrupted):
+        run([_InterruptAfter(3)])
+    resumed = run([])
+    assert int(resumed.optimizer.iterations.numpy()) == 2 * STEPS
+    assert max_difference(resumed.get_weights(), weights) < 1e-5
+    # The resumed fit computed (11, 5) of each of its 5 batches after the warm-up execution.
+    r = 2
+    assert tuple(resumed.tfdp_balanced_batches.totals.numpy()[r:2 * r]) == (
+        PLAN[0] * 4, PLAN[1] * 4)
+
+
+def test_fit_refuses_a_backup_wrapped_input_of_distributed_epochs(two_replicas, tmp_path):
+    from tfdp.callbacks import BackupAndRestore
+
+    with two_replicas.scope():
+        m = model()
+        tfdp.compile(m, optimizer="sgd", loss=loss(), balance_batches=True)
+    backup = BackupAndRestore(tmp_path / "backup")
+    wrapped = backup.wrap(lambda epoch: two_replicas.experimental_distribute_dataset(dataset()))
+    with pytest.raises(ValueError, match="each epoch of a BackupAndRestore.wrap"):
+        m.fit(wrapped, epochs=1, verbose=0, callbacks=[backup])

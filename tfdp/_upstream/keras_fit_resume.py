@@ -165,6 +165,12 @@ class EpochInput(_data_adapter.DataAdapter):
         self._stream_built: tuple[tuple[int, int], Any] | None = None  # (position, dataset)
         self.in_use = False  # set when a `fit` adopts this input
         self.class_weight = None  # fit's `class_weight`, recorded by the patched get_data_adapter
+        # How an epoch's dataset reaches the replicas: None, the strategy's
+        # `experimental_distribute_dataset` for a tf.data.Dataset (split per
+        # replica; a distributed dataset as it is); or `dataset -> distributed
+        # dataset` for every epoch, set by whoever feeds the replicas
+        # otherwise (balanced batches: every replica each batch whole).
+        self.distribute: Callable[[tf.data.Dataset], Any] | None = None
 
     def adopt_class_weight(self, class_weight) -> None:
         """Records `fit(class_weight=...)` for the epochs of this `fit` (None: none)."""
@@ -223,8 +229,17 @@ class EpochInput(_data_adapter.DataAdapter):
             # `enumerate_epoch` replaces; its symbolic build peeks at one
             # batch through `enumerate_epoch` too. The stream built here for
             # the position `fit` will start at is the one its epochs then use.
-            return self._stream_dataset(*(self._position() or (0, 0)))
-        return self.dataset(0)[0]
+            dataset = self._stream_dataset(*(self._position() or (0, 0)))
+        else:
+            dataset = self.dataset(0)[0]
+        return dataset if self.distribute is None else self.distribute(dataset)
+
+    def _distributed(self, iterator, dataset):
+        """`dataset` (a `tf.data.Dataset` of global batches) as the replicas read it."""
+        if self.distribute is not None:
+            return self.distribute(dataset)
+        strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
+        return strategy.experimental_distribute_dataset(dataset)
 
     @property
     def num_batches(self):
@@ -270,13 +285,14 @@ class EpochInput(_data_adapter.DataAdapter):
             yield from self._enumerate_stream(iterator, epoch, start, step_size)
             return
         dataset, left = self.dataset(epoch, start)
-        if isinstance(dataset, tf.distribute.DistributedDataset):
+        if self.distribute is not None:  # refuses what it cannot distribute
+            distributed = iter(self.distribute(dataset))
+        elif isinstance(dataset, tf.distribute.DistributedDataset):
             distributed = iter(dataset)
             if left:
                 _skip_batches(distributed, tf.constant(left))
         else:
-            strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
-            distributed = iter(strategy.experimental_distribute_dataset(dataset))
+            distributed = iter(self._distributed(iterator, dataset))
         for step in range(start, self._steps_per_epoch, step_size):
             yield step, step + step_size - 1, distributed
 
@@ -304,9 +320,8 @@ class EpochInput(_data_adapter.DataAdapter):
         if self._stream_next != (epoch, start):
             self._close_stream()
             stream = self._stream_dataset(epoch, start)
-            if isinstance(stream, tf.data.Dataset):
-                strategy = iterator._distribute_strategy or tf.distribute.get_strategy()
-                stream = strategy.experimental_distribute_dataset(stream)
+            if self.distribute is not None or isinstance(stream, tf.data.Dataset):
+                stream = self._distributed(iterator, stream)
             self._stream_iterator = iter(stream)
         distributed = self._stream_iterator
         self._stream_next = None  # until this epoch has run to its end

@@ -20,11 +20,13 @@ It owns the input's layout only; `fit_balanced` is the `fit` wrapper
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import keras
 import tensorflow as tf
 
+from tfdp._upstream import keras_fit_resume
 from tfdp.training import balanced_batches
 
 
@@ -67,26 +69,44 @@ def replicated(strategy: tf.distribute.Strategy, dataset: tf.data.Dataset):
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
+def _replicated_epoch(strategy: tf.distribute.Strategy, dataset):
+    """`replicated`, for one epoch of a `BackupAndRestore.wrap` input (a tf.data.Dataset)."""
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(
+            "With balance_batches, each epoch of a BackupAndRestore.wrap(...) input must be a "
+            "tf.data.Dataset of global batches, the same on every worker. Received: "
+            f"{type(dataset).__name__}. Build the epochs as tf.data.Datasets (for "
+            "pipelines.make_dataset: under tf.distribute.get_strategy(), with the global "
+            "batch as its batch), or balance_batches=False.")
+    return replicated(strategy, dataset)
+
+
 def fit_balanced(balance: balanced_batches.BalancedBatches, log: bool, fit, *args, **kwargs):
     """`model.fit` whose dataset reaches every replica whole, with the `Replanner` among its callbacks.
 
+    `x` is a `tf.data.Dataset` of global batches, or
+    `tfdp.callbacks.BackupAndRestore.wrap`'s input whose epochs are
+    `tf.data.Dataset`s of global batches (each epoch, entered where the
+    backup resumes, then reaches every replica whole).
+
     Raises:
-        ValueError: `x` is not a `tf.data.Dataset` (arrays, a generator, a
-            distributed dataset, `tfdp.callbacks.BackupAndRestore`'s
-            wrapped input), or `y` or `class_weight` is given.
+        ValueError: `x` is neither (arrays, a generator, a distributed
+            dataset, a wrapped input whose epochs are distributed datasets
+            fail when fit reads them), or `y` or `class_weight` is given.
     """
     bound = _FIT_SIGNATURE.bind(None, *args, **kwargs)
     arguments = dict(bound.arguments)
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
     x = arguments.get("x")
-    if not isinstance(x, tf.data.Dataset):
+    wrapped = isinstance(x, keras_fit_resume.EpochInput)
+    if not (wrapped or isinstance(x, tf.data.Dataset)):
         raise ValueError(
             "With balance_batches, fit's `x` must be a tf.data.Dataset of global batches "
-            "(the same on every worker): each replica reads every batch whole and cuts "
-            "its share inside the step. Arrays, generators, distributed datasets and "
-            "tfdp.callbacks.BackupAndRestore's wrapped input are not supported with it. "
-            f"Received: x of type {type(x).__name__}. Pass a tf.data.Dataset, or "
+            "(the same on every worker), or tfdp.callbacks.BackupAndRestore.wrap(...) of "
+            "such datasets: each replica reads every batch whole and cuts its share inside "
+            "the step. Arrays, generators and distributed datasets are not supported with "
+            f"it. Received: x of type {type(x).__name__}. Pass a tf.data.Dataset, or "
             "balance_batches=False.")
     for name in ("y", "class_weight"):
         if arguments.get(name) is not None:
@@ -95,9 +115,14 @@ def fit_balanced(balance: balanced_batches.BalancedBatches, log: bool, fit, *arg
                 f"weights in the dataset's elements. Received: {name} of type "
                 f"{type(arguments[name]).__name__}.")
     strategy = balance.strategy
-    batch = tf.nest.flatten(x.element_spec)[0].shape
-    balance.set_global_batch(batch[0] if batch.rank else None)
-    arguments["x"] = replicated(strategy, x)
+    if wrapped:
+        # Its epochs are built (and entered) as fit runs; each is replicated
+        # then. The global batch is learnt from the first timings.
+        x.distribute = functools.partial(_replicated_epoch, strategy)
+    else:
+        batch = tf.nest.flatten(x.element_spec)[0].shape
+        balance.set_global_batch(batch[0] if batch.rank else None)
+        arguments["x"] = replicated(strategy, x)
     callbacks = arguments.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = list(callbacks.callbacks)
