@@ -116,7 +116,9 @@ def test_equal_workers_with_a_large_fixed_cost_keep_or_regain_the_equal_split():
     planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
     planner.plan = batch_shares.SharePlan(start)
     adopted, _ = _simulate(planner, fixed, costs, windows=50)
-    assert planner.plan.shares == (32, 32) and len(adopted) <= 3 and max(adopted) <= 3, adopted
+    # Back within two plannings of the first one the planner may make.
+    assert planner.plan.shares == (32, 32) and len(adopted) <= 3, adopted
+    assert max(adopted) <= batch_shares.MIN_WINDOWS + 1, adopted
     assert planner.fixed_examples == pytest.approx(32, rel=0.05)
 
 
@@ -156,6 +158,15 @@ def test_timing_noise_does_not_make_the_plan_wander(seed):
     assert np.mean(makespans[100:]) <= makespans[0] / 1.3
 
 
+def test_no_plan_before_min_windows_however_clear_the_first_timings():
+    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
+    for window in range(1, batch_shares.MIN_WINDOWS):
+        planner.observe([0.010, 0.040], [32, 32])  # worker 1 four times slower
+        assert planner.maybe_replan(window) is None and planner.plan.shares == (32, 32)
+    planner.observe([0.010, 0.040], [32, 32])
+    assert planner.maybe_replan(batch_shares.MIN_WINDOWS).shares[1] < 16
+
+
 def test_planner_ignores_small_gains_and_bad_timings():
     planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1,
                                         min_gain=0.05)
@@ -170,10 +181,11 @@ def test_planner_ignores_small_gains_and_bad_timings():
 
 
 def test_every_worker_computes_the_same_plan_from_the_same_timings():
-    timings = [([0.012, 0.031, 0.020], (22, 21, 21)), ([0.011, 0.033, 0.021], (22, 21, 21))]
+    timings = [([0.012, 0.031, 0.020], (22, 21, 21)), ([0.011, 0.033, 0.021], (22, 21, 21)),
+               ([0.012, 0.032, 0.021], (22, 21, 21))]
     plans = []
     for _ in range(3):  # three workers, each its own planner
-        planner = batch_shares.SharePlanner(global_batch=64, num_workers=3, replan_every=2)
+        planner = batch_shares.SharePlanner(global_batch=64, num_workers=3, replan_every=3)
         for step, (seconds, shares) in enumerate(timings, start=1):
             planner.observe(seconds, shares)
             planner.maybe_replan(step)

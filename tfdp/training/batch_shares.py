@@ -117,6 +117,10 @@ class AffineCost:
         return plan.step_seconds(self.seconds_per_example, self.fixed_seconds)
 
 
+#: Windows a planner times before its first plan (`SharePlanner.required_gain`).
+MIN_WINDOWS = 3
+
+
 def equal_plan(global_batch: int, num_workers: int) -> SharePlan:
     """The equal split, the first `global_batch % num_workers` workers one example more."""
     _check_sizes(global_batch, num_workers, minimum_share=1)
@@ -361,10 +365,13 @@ class SharePlanner:
         (sum of squared weights) windows, gives each worker's fitted cost a
         relative standard error of about sigma / sqrt(n_eff - 1) (one
         degree of freedom spent on the fit), and a ratio of two workers'
-        costs sqrt(2) times that. None with fewer than two windows: one
-        window says nothing of the noise, so no plan is made from it.
+        costs sqrt(2) times that. None with fewer than `MIN_WINDOWS`
+        windows: one window says nothing of the noise, and two give each
+        worker's scatter one degree of freedom, too few to trust (a planner
+        that planned after two windows moved on noise in the `stragglers`
+        bench case, 2026-11-28).
         """
-        if self.cost is None or len(self.points) < 2:
+        if self.cost is None or len(self.points) < MIN_WINDOWS:
             return None
         total = sum(self._weights)
         n_eff = total ** 2 / sum(w * w for w in self._weights)
@@ -388,8 +395,8 @@ class SharePlanner:
         """The plan for the speeds seen so far, now, if it is worth it (`maybe_replan` without the cadence).
 
         Returns:
-            The new plan (now also `self.plan`), or None: fewer than two
-            windows timed, or a predicted makespan less than
+            The new plan (now also `self.plan`), or None: fewer than
+            `MIN_WINDOWS` windows timed, or a predicted makespan less than
             `required_gain()` shorter than the current plan's under the same
             model.
         """
