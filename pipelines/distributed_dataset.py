@@ -335,9 +335,10 @@ class PlannedDataset:
 
     def distribute(self):
         """The distributed dataset of epoch 0 (see `make_dataset`'s Returns), built once."""
-        dataset = self._built or _distribute(
-            self._pipeline, self._strategy, self._options, start_batch=0)
-        self._built = dataset
+        if self._built is None:
+            self._built = _distribute(self._pipeline, self._strategy, self._options,
+                                      start_batch=0)
+        dataset = self._built
         if dataset.pipeline_info != self.pipeline_info:
             raise RuntimeError(  # _input_pipelines disagrees with this TensorFlow
                 f"The input pipelines were planned as {self.pipeline_info.num_input_pipelines} "
