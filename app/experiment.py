@@ -308,11 +308,15 @@ def train_and_evaluate(
         trainer = Trainer(
             model, optimizer=optimizer, loss=loss, strategy=strategy, batch=batch,
             metrics=["accuracy"], model_dir=config.model_dir,
-            steps_per_loop=config.steps_per_loop, checkpoint_every=config.checkpoint_every,
+            # An overlapped window ends between calls: they must divide it.
+            steps_per_loop=steps_per_execution_for(config.steps_per_loop, None, None,
+                                                   _overlapped_window(config)),
+            checkpoint_every=config.checkpoint_every,
             jit_compile=config.jit_compile, all_reduce_dtype=config.all_reduce_dtype,
             loss_normalization=config.loss_normalization,
             gradient_compression=config.gradient_compression_argument(),
             sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
+            overlap_sync=config.overlap_sync,
             shard_optimizer_state=config.shard_optimizer_state,
             balance_batches=config.balance_batches,
         )
@@ -438,9 +442,11 @@ def _timed_stream(epoch_stream, clock: PhaseClock):
 
 
 def steps_per_execution_for(
-    steps_per_loop: int, steps_per_epoch: int | None, checkpoint_every: int | None = None
+    steps_per_loop: int, steps_per_epoch: int | None, checkpoint_every: int | None = None,
+    overlapped_window: int | None = None,
 ) -> int:
-    """The largest divisor of `steps_per_epoch` and `checkpoint_every` <= `steps_per_loop`.
+    """The largest divisor of `steps_per_epoch`, `checkpoint_every` and
+    `overlapped_window` <= `steps_per_loop`.
 
     Keras' epoch iterator runs whole executions and calls batch callbacks
     once per execution. With an explicit `steps_per_epoch` shorter than the
@@ -448,13 +454,19 @@ def steps_per_execution_for(
     per epoch at 2 per execution run 6); a backup every `checkpoint_every`
     steps can only land at the end of an execution. Either may be `None`
     (no constraint): an epoch that ends with the data may end part-way
-    through an execution.
+    through an execution. An overlapped window (`--overlap_sync`: its
+    `--sync_every`) ends between executions, so they must divide it too.
     """
-    constraints = [n for n in (steps_per_epoch, checkpoint_every) if n]
+    constraints = [n for n in (steps_per_epoch, checkpoint_every, overlapped_window) if n]
     if not constraints:
         return steps_per_loop
     common = math.gcd(*constraints)
     return max(d for d in range(1, min(steps_per_loop, common) + 1) if common % d == 0)
+
+
+def _overlapped_window(config: RunConfig) -> int | None:
+    """`--sync_every` when windows overlap (`--overlap_sync`), else None."""
+    return config.sync_every if config.overlap_sync else None
 
 
 def _training_steps(optimizer) -> int:
@@ -523,13 +535,15 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
     final weights go to `model_dir` as a checkpoint, as `--loop=custom` does.
     """
     steps_per_execution = steps_per_execution_for(
-        config.steps_per_loop, config.steps_per_epoch, config.checkpoint_every
+        config.steps_per_loop, config.steps_per_epoch, config.checkpoint_every,
+        _overlapped_window(config),
     )
     if steps_per_execution != config.steps_per_loop and info.is_chief:
         print(f"tfdp-train: running {steps_per_execution} steps per execution instead of "
               f"--steps_per_loop={config.steps_per_loop}, so that executions divide "
-              f"--steps_per_epoch={config.steps_per_epoch} and --checkpoint_every="
-              f"{config.checkpoint_every}.")
+              f"--steps_per_epoch={config.steps_per_epoch}, --checkpoint_every="
+              f"{config.checkpoint_every} and, with --overlap_sync, --sync_every="
+              f"{config.sync_every}.")
     fit_compile.compile(
         model, optimizer=optimizer, loss=loss, metrics=["accuracy"],
         accum_steps=batch.accum_steps, steps_per_execution=steps_per_execution,
@@ -537,6 +551,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         loss_normalization=config.loss_normalization,
         gradient_compression=config.gradient_compression_argument(),
         sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
+        overlap_sync=config.overlap_sync,
         shard_optimizer_state=config.shard_optimizer_state,
         balance_batches=config.balance_batches,
     )

@@ -82,6 +82,8 @@ class RunConfig:
         sync_every (local SGD: optimizer steps between averages of the
         weights; 1: synchronous), outer_lr and outer_momentum (DiLoCo's
         Nesterov outer step at each synchronisation; `tfdp.distribute.local_sync`),
+        overlap_sync (that synchronisation's all-reduce runs during the next
+        window, applied one window late; `tfdp.distribute.overlapped_sync`),
         shard_optimizer_state (ZeRO-1: each replica keeps the optimizer's
         slots for its 1/N of the weights; `tfdp.distribute.optimizer_sharding`),
         balance_batches (each worker reads every global batch whole and
@@ -146,6 +148,7 @@ class RunConfig:
     sync_every: int = 1
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    overlap_sync: bool = False
     shard_optimizer_state: bool = False
     balance_batches: bool = False
     model_dir: str | None = None
@@ -282,6 +285,11 @@ class RunConfig:
                 raise ConfigError("--outer_momentum must be in [0, 1) (the paper uses 0.9). "
                                   f"Received: --outer_momentum={self.outer_momentum!r}")
         local = self.sync_every > 1 or self.outer_lr is not None
+        if self.overlap_sync and not local:
+            raise ConfigError(
+                "--overlap_sync needs local steps: pass --sync_every=N > 1 (local SGD) or "
+                "--outer_lr (DiLoCo); synchronous training has no window for the weights' "
+                "all-reduce to overlap. Received: --overlap_sync alone")
         if local and self.shard_optimizer_state:
             raise ConfigError(
                 f"--shard_optimizer_state cannot be combined with --sync_every={self.sync_every}"

@@ -157,6 +157,9 @@ flags.DEFINE_float("outer_lr", None, "DiLoCo: at each synchronisation an outer N
                    "along their difference with the average; unset: plain averaging.")
 flags.DEFINE_float("outer_momentum", None, "DiLoCo's outer Nesterov momentum (with --outer_lr; "
                    "default 0.9, as in the paper).")
+flags.DEFINE_bool("overlap_sync", _D.overlap_sync, "With --sync_every > 1 or --outer_lr: each "
+                  "window's weight all-reduce runs in the background during the next window and "
+                  "is applied one window late (tfdp.compile(overlap_sync=True)).")
 flags.DEFINE_bool("shard_optimizer_state", _D.shard_optimizer_state, "ZeRO-1: each replica "
                   "keeps the optimizer's slots (momentum, Adam's moments) for its 1/N share of "
                   "the weights only, and the updated shares are all-gathered every step.")

@@ -130,6 +130,18 @@ def test_steps_per_execution_lets_the_backup_land_on_its_step(
         steps_per_loop, steps_per_epoch, checkpoint_every) == expected
 
 
+@pytest.mark.parametrize(
+    "steps_per_loop, steps_per_epoch, checkpoint_every, window, expected",
+    [(10, None, None, 8, 8), (10, None, None, 16, 8), (10, 22, None, 16, 2),
+     (10, None, 12, 8, 4), (10, None, None, None, 10)],
+)
+def test_steps_per_execution_ends_with_each_overlapped_window(
+    steps_per_loop, steps_per_epoch, checkpoint_every, window, expected
+):
+    assert experiment.steps_per_execution_for(
+        steps_per_loop, steps_per_epoch, checkpoint_every, window) == expected
+
+
 def test_loss_normalizations_are_the_library_s():
     from tfdp.training import loss_normalization
 

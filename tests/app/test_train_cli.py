@@ -29,6 +29,7 @@ from tfdp.app import train as train_cli
         (["--model=cnn", "--sync_bn"], "--sync_bn: model 'cnn' has no BatchNormalization"),
         (["--model=transformer", "--sync_bn"], "Models that take --sync_bn: resnet20"),
         (["--model=mlp", "--remat"], "--remat: model 'mlp' has no blocks to recompute"),
+        (["--overlap_sync"], "--overlap_sync needs local steps: pass --sync_every=N > 1"),
         # What tfdp.training.option_rules refuses with balanced batches, by flag.
         (["--balance_batches", "--accum_steps=2"],
          "--balance_batches cannot be combined with --accum_steps=2: a worker's share"),
@@ -86,6 +87,30 @@ def test_local_step_flags_build_the_outer_optimizer(parse_flags, flags, expected
     else:
         assert outer.nesterov
         assert (float(outer.learning_rate), outer.momentum) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_overlap_sync_reaches_the_training_loop_with_calls_that_end_each_window(
+        parse_flags, monkeypatch, loop):
+    """--overlap_sync is handed to tfdp.compile / tfdp.Trainer, with steps per call dividing
+    --sync_every (the loops refuse the others); stopped there, nothing trains."""
+    from tfdp.app import experiment
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        raise Stop(kwargs)
+
+    monkeypatch.setattr(experiment.fit_compile, "compile", capture)
+    monkeypatch.setattr(experiment, "Trainer", capture)
+    parse_flags("--model=mlp", "--cpu_replicas=2", "--epochs=1", "--sync_every=8",
+                "--outer_lr=0.7", "--overlap_sync", "--steps_per_loop=10", f"--loop={loop}")
+    with pytest.raises(Stop) as stopped:
+        train_cli.main(["tfdp-train"])
+    kwargs = stopped.value.args[0]
+    assert kwargs["overlap_sync"] is True and kwargs["sync_every"] == 8
+    assert kwargs["steps_per_execution" if loop == "fit" else "steps_per_loop"] == 8
 
 
 @pytest.mark.slow
