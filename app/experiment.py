@@ -282,11 +282,12 @@ def train_and_evaluate(
         # order, and a resumed run must see exactly the batches the straight
         # run saw. `train_data` is handed out once, for epoch 0.
         if epoch == 0 and unused:
-            first = unused.pop()
-            # Planned only (build_dataset may skip building epoch 0 for a stream).
-            return first.distribute() if isinstance(first, pipelines.PlannedDataset) else first
-        return build_dataset(TRAIN, training=True, strategy=strategy, batch=batch,
-                             seed=epoch_seed(config.seed, epoch))[0]
+            data = unused.pop()
+        else:
+            data = build_dataset(TRAIN, training=True, strategy=strategy, batch=batch,
+                                 seed=epoch_seed(config.seed, epoch))[0]
+        # build_dataset may only plan it (for a run that streams its epochs).
+        return data.distribute() if isinstance(data, pipelines.PlannedDataset) else data
 
     # One dataset for every epoch where the pipeline can carry them all
     # (make_dataset's epoch_stream): one iterator for the whole run, no

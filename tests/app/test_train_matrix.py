@@ -128,7 +128,8 @@ def test_resnet50_takes_the_digits_resized_to_32():
     dataset, spec = train_cli._build_dataset(config)(
         experiment.TRAIN, training=True, strategy=tf.distribute.get_strategy(),
         batch=BatchConfig.from_global(4, 1), seed=0)
-    images, labels = next(iter(dataset))
+    # The CLI plans its training split (it streams the epochs); epoch 0 is built on demand.
+    images, labels = next(iter(dataset.distribute()))
     assert tuple(images.shape) == (4, 32, 32, 1) and images.dtype == tf.float32
     assert spec.input_shape == (32, 32, 1)
     model = train_cli._build_model(config)("resnet50", input_shape=spec.input_shape,
