@@ -211,7 +211,11 @@ class LocalSync:
             return tf.constant(True)
 
         # No collective inside: a plain cond in replica context.
-        tf.cond(tf.equal(self.steps_since_sync, 0), remember, lambda: tf.constant(False))
+        tf.cond(self._window_starts(), remember, lambda: tf.constant(False))
+
+    def _window_starts(self) -> tf.Tensor:
+        """A scalar bool: this step opens a window, so the anchor takes the weights."""
+        return tf.equal(self.steps_since_sync, 0)
 
     def after_step(self, context: tf.distribute.ReplicaContext) -> None:
         """Counts a local step; after `sync_every` of them, synchronises (in replica context)."""

@@ -130,18 +130,9 @@ class Overlap:
 
     # --- in the train step -------------------------------------------------
 
-    def before_step(self) -> None:
-        """Remembers the anchor at a fresh start (nothing pending); a turn keeps it otherwise."""
-        if not self.anchors:
-            return
-
-        def remember():
-            for anchor, variable in zip(self.anchors, self._variables):
-                anchor.assign(variable)
-            return tf.constant(True)
-
-        fresh = tf.logical_and(tf.equal(self.steps_since_sync, 0), tf.equal(self.pending, 0))
-        tf.cond(fresh, remember, lambda: tf.constant(False))
+    def _window_starts(self) -> tf.Tensor:
+        """A fresh start (nothing pending) opens a window; a turn keeps the anchor it had."""
+        return tf.logical_and(tf.equal(self.steps_since_sync, 0), tf.equal(self.pending, 0))
 
     def after_step(self, context: tf.distribute.ReplicaContext) -> None:
         """Counts a local step; the window's end is `after_call`'s, outside the step."""
