@@ -238,13 +238,21 @@ def _main_launch(argv: Sequence[str]) -> int:
                                     gpus_per_proc=args.gpus_per_proc)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
-    # This process owns every process it starts: adopt orphaned grandchildren
-    # so they can be reaped (PID 1 does not reap them on every machine).
+    return _run_owning_children(lambda: local.run_plan(plan), "workers'")
+
+
+def _run_owning_children(run: Callable[[], int], whose: str) -> int:
+    """Runs `run()` as the owner of every process it starts; returns its exit status.
+
+    Orphaned grandchildren are adopted (a subreaper: PID 1 does not reap them on
+    every machine) and reaped afterwards; any still running are named on stderr.
+    `whose` names the process groups in that warning ("workers'", "tasks'").
+    """
     _proc.set_child_subreaper()
-    status = local.run_plan(plan)
+    status = run()
     leftovers = _proc.reap_children()
     if leftovers:
-        print(f"[launch] warning: processes outside the workers' process groups are "
+        print(f"[launch] warning: processes outside the {whose} process groups are "
               f"still running: pids {leftovers}", file=sys.stderr)
     return status
 
@@ -267,13 +275,7 @@ def _launch_parameter_server(parser, args, command, multi_node: bool) -> int:
             grace_period=args.grace_period, max_restarts=args.max_restarts)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
-    _proc.set_child_subreaper()
-    status = parameter_server.run_parameter_server(plan)
-    leftovers = _proc.reap_children()
-    if leftovers:
-        print(f"[launch] warning: processes outside the tasks' process groups are "
-              f"still running: pids {leftovers}", file=sys.stderr)
-    return status
+    return _run_owning_children(lambda: parameter_server.run_parameter_server(plan), "tasks'")
 
 
 def _main_slurm(argv: Sequence[str]) -> int:
