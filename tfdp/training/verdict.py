@@ -125,7 +125,8 @@ def verdict(step: exchange_base.Step) -> tf.Tensor:
 class Counters:
     """Mixin of the optimizer wrappers: the skip counters and the limit.
 
-    Needs `add_variable` (a Keras optimizer) and `max_consecutive_nonfinite`.
+    Needs `add_variable` (a Keras optimizer), `max_consecutive_nonfinite` and
+    `steps_locally` (bool: each replica applies its own gradients).
 
     Attributes (after `_build_counters`):
         skipped_steps: int64 variable, steps skipped so far.
@@ -165,7 +166,7 @@ class Counters:
         # workers agree to stop at a synchronisation (one window later when
         # overlapped): it consumes those batches, so they count, and the
         # loops' check that every step run was counted holds on it too.
-        counted = tf.constant(True) if getattr(self, "steps_locally", False) else live
+        counted = tf.constant(True) if self.steps_locally else live
         self.skipped_steps.assign_add(tf.cast(counted, "int64"))
         self.consecutive_skipped_steps.assign_add(
             tf.cast(tf.logical_and(live, counts_in_a_row), "int64")
