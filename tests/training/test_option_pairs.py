@@ -1,7 +1,7 @@
 """Every training option alone and every pair of them: it trains, or it is refused up front.
 
 The options are `tfdp.compile`'s (and `tfdp.Trainer`'s) gradient-path
-options (float8 included), plus the LARS and LAMB optimizers, the
+options (float8 and overlapped local SGD included), plus the LARS and LAMB optimizers, the
 mixed_float16 policy and `jit_compile`. Each case trains a tiny Dense model for one epoch of
 `STEPS` steps on `make_strategy(cpu_replicas=2)`, or must be refused
 before anything is built, by `tfdp.compile` and by `tfdp.Trainer`, with a
@@ -16,7 +16,8 @@ that format's rounding instead. `all_reduce_dtype="bfloat16"` must change
 the result of every case it joins (an ignored dtype counts as broken).
 
 Pairs that cannot be written down are left out: PowerSGD, Top-K and float8
-are all values of `gradient_compression`, LARS and LAMB both optimizers.
+are all values of `gradient_compression`, LARS and LAMB both optimizers,
+and `overlap_sync` is itself `sync_every=2` overlapped.
 `jit_compile=True` is refused by this strategy itself (XLA on several CPU
 devices, `tfdp.distribute.devices`), so its cases check that refusal.
 """
@@ -52,6 +53,8 @@ OPTIONS = {
     "TopK": {"gradient_compression": lambda: tfdp.compression.TopK(fraction=1.0)},
     "float8": {"gradient_compression": "float8"},
     "sync_every": {"sync_every": 2},
+    # Overlapped local SGD: the window's average arrives one window late.
+    "overlap_sync": {"sync_every": 2, "overlap_sync": True},
     "outer_optimizer": {"outer_optimizer": lambda: keras.optimizers.SGD(1.0)},
     "shard_optimizer_state": {"shard_optimizer_state": True},
     "mixed_float16": {"policy": "mixed_float16"},
@@ -81,13 +84,17 @@ def exact_options(case) -> set:
 ROUNDED = {"all_reduce_dtype": 2e-3, "mixed_float16": 2e-3}
 #: Pairs of one argument's values.
 INEXPRESSIBLE = {frozenset({"PowerSGD", "TopK"}), frozenset({"PowerSGD", "float8"}),
-                 frozenset({"TopK", "float8"}), frozenset({"LAMB", "LARS"})}
+                 frozenset({"TopK", "float8"}), frozenset({"LAMB", "LARS"}),
+                 frozenset({"sync_every", "overlap_sync"})}
 
-_LOCAL = ("sync_every", "outer_optimizer")
+_LOCAL = ("sync_every", "outer_optimizer", "overlap_sync")
+#: The name a refusal of a local option gives it (overlap_sync is local SGD's window).
+_LOCAL_NAME = {"sync_every": "sync_every", "outer_optimizer": "outer_optimizer",
+               "overlap_sync": "sync_every"}
 _GRADIENT_SUM = ("all_reduce_dtype", "PowerSGD", "TopK", "float8")
 #: Refused pairs -> the names the error must contain.
 REFUSED = {
-    **{frozenset({local, other}): (local, other)
+    **{frozenset({local, other}): (_LOCAL_NAME[local], other)
        for local in _LOCAL for other in _GRADIENT_SUM + ("shard_optimizer_state",)},
     # float8 sends its own 8-bit values: a dtype for them would be ignored.
     frozenset({"float8", "all_reduce_dtype"}): ("float8", "all_reduce_dtype"),
@@ -140,7 +147,7 @@ def arguments(case) -> dict:
     merged = {"optimizer": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}
     for name in case:
         merged.update(OPTIONS[name] if name in OPTIONS else EXTRA_OPTIONS[name])
-    if "sync_every" in case and "outer_optimizer" in case:
+    if {"sync_every", "overlap_sync"} & set(case) and "outer_optimizer" in case:
         merged["sync_every"] = 2
     return {key: value() if callable(value) else value for key, value in merged.items()}
 
@@ -254,6 +261,6 @@ def test_without_the_wrapper_an_option_that_needs_it_is_refused(name, entry, two
 
 
 def test_the_matrix_covers_every_option_and_pair():
-    assert len(SINGLES) == len(OPTIONS) == 13
-    assert len(PAIRS) == 13 * 12 // 2 - len(INEXPRESSIBLE)
-    assert {"LARS", "jit_compile", "float8"} <= set(OPTIONS)
+    assert len(SINGLES) == len(OPTIONS) == 14
+    assert len(PAIRS) == 14 * 13 // 2 - len(INEXPRESSIBLE)
+    assert {"LARS", "jit_compile", "float8", "overlap_sync"} <= set(OPTIONS)
