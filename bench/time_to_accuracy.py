@@ -63,17 +63,17 @@ _DEFAULTS = {"per_replica_batch": 32, "learning_rate": 0.05, "momentum": 0.9,
 def write_digits(path: str) -> None:
     """Writes the digits train and test arrays (float32 in [0, 1], NHWC) to `path` (.npz)."""
     import numpy as np
-    from sklearn import datasets
 
     from tfdp.pipelines import digits as digits_lib
 
-    data = datasets.load_digits()
+    images, labels = digits_lib.load_arrays()
+    labels = labels.astype(np.int64)
     # As the TFDS builder stores them (uint8), then scaled as tfdp's pipeline does.
-    images = np.round(data.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
+    images = np.round(images * (255.0 / 16.0)).astype(np.uint8)[..., None]
     images = images.astype(np.float32) / 255.0
     split = digits_lib.split_indices()
-    np.savez(path, x_train=images[split["train"]], y_train=data.target[split["train"]],
-             x_test=images[split["test"]], y_test=data.target[split["test"]])
+    np.savez(path, x_train=images[split["train"]], y_train=labels[split["train"]],
+             x_test=images[split["test"]], y_test=labels[split["test"]])
 
 
 def _summary(epoch_ends: list, accuracies: list, target: float) -> dict:

@@ -16,9 +16,9 @@ import subprocess
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import tfdp
+from tfdp.pipelines import digits as digits_lib
 from multiworker import REPO_ROOT
 from multiworker import run_launch
 
@@ -44,9 +44,9 @@ def digits_files(tmp_path_factory):
     """Globs {"train": 6 files, "test": 2 files, "one": 1 train file} and the
     test labels in file order."""
     root = tmp_path_factory.mktemp("digits_records")
-    digits = load_digits()
-    images = (digits.images * 255 / 16).round().astype(np.uint8)[..., None]
-    labels = digits.target.astype(np.int64)
+    images, labels = digits_lib.load_arrays()
+    images = (images * (255 / 16)).round().astype(np.uint8)[..., None]  # float64 product
+    labels = labels.astype(np.int64)
     order = np.random.default_rng(0).permutation(len(labels))
     train, test = order[:1437], order[1437:]
     _write(root / "train", images[train], labels[train], 6)

@@ -20,7 +20,7 @@ MODULE = textwrap.dedent('''
     import os
 
     import tensorflow as tf
-    from sklearn.datasets import load_digits
+    from tfdp.pipelines import digits
 
 
     def with_splits():
@@ -29,9 +29,9 @@ MODULE = textwrap.dedent('''
 
 
     def one_split():
-        digits = load_digits()
-        images = tf.constant(digits.images[..., None] / 16.0, tf.float32)
-        return tf.data.Dataset.from_tensor_slices((images, digits.target))
+        images, labels = digits.load_arrays()
+        images = tf.constant(images[..., None] / 16.0, tf.float32)
+        return tf.data.Dataset.from_tensor_slices((images, labels.astype("int64")))
 
 
     def per_pipeline(input_context):

@@ -11,9 +11,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import tfdp
+from tfdp.pipelines import digits as digits_lib
 from tfdp.inference import shard_store
 from tfdp.inference.shard_store import OutputDirError
 
@@ -23,7 +23,7 @@ FORMATS = ["tfrecord", "npz", "parquet"]
 @pytest.fixture(scope="module")
 def digits():
     """All 1,797 digits (not a multiple of any batch used here), as (N, 8, 8, 1) float32."""
-    return (load_digits().images[..., None] / 16.0).astype("float32")
+    return (digits_lib.load_arrays()[0][..., None] / 16.0).astype("float32")
 
 
 def _model():
@@ -184,7 +184,7 @@ def test_key_field_and_named_outputs(tmp_path, digits):
 
 
 def test_labels_in_the_input_are_ignored_as_keras_predict_ignores_them(tmp_path, digits, one_device):
-    labels = load_digits().target
+    labels = digits_lib.load_arrays()[1].astype("int64")
     tfdp.predict(one_device, tf.data.Dataset.from_tensor_slices((digits, labels)),
                  output_dir=str(tmp_path), verbose=0)
     result = tfdp.read_predictions(str(tmp_path), as_numpy=True)

@@ -7,18 +7,18 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 from tfdp import pipelines
+from tfdp.pipelines import digits as digits_lib
 from tfdp.pipelines.tfrecord_source import TFRecordSource
 
 
 def write_digits_tfrecords(directory, *, num_files: int, count: int | None = None):
     """All (or the first `count`) 1,797 digits as PNG `tf.train.Example`s in
     `num_files` files, in order; returns (images uint8 (N, 8, 8, 1), labels)."""
-    digits = load_digits()
-    images = (digits.images * 255 / 16).round().astype(np.uint8)[..., None]
-    labels = digits.target.astype(np.int64)
+    images, labels = digits_lib.load_arrays()
+    images = (images * (255 / 16)).round().astype(np.uint8)[..., None]  # float64 product
+    labels = labels.astype(np.int64)
     if count is not None:
         images, labels = images[:count], labels[:count]
     os.makedirs(directory, exist_ok=True)

@@ -16,7 +16,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn import datasets  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp.pipelines import digits  # noqa: E402
@@ -25,9 +24,9 @@ GLOBAL_BATCH = 32
 
 
 def _digits():
-    data = datasets.load_digits()
-    x = (data.data / 16.0).astype("float32")
-    y = data.target.astype("int32")
+    images, labels = digits.load_arrays()
+    x = (images.reshape(len(images), 64) / 16.0).astype("float32")
+    y = labels.astype("int32")
     split = digits.split_indices()
     return (x[split["train"]], y[split["train"]]), (x[split["test"]], y[split["test"]])
 
