@@ -319,7 +319,7 @@ def train_and_evaluate(
             sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
             overlap_sync=config.overlap_sync,
             shard_optimizer_state=config.shard_optimizer_state,
-            balance_batches=config.balance_batches,
+            balance_batches=config.balance_batches, bucket_cap_mb=config.bucket_cap_mb,
         )
         if trainer.balanced_batches is not None:  # the plan in examples from the first step
             trainer.balanced_batches.set_global_batch(batch.global_batch)
@@ -554,7 +554,7 @@ def _train_with_fit(config, model, optimizer, loss, batch, dataset_for_epoch, st
         sync_every=config.sync_every, outer_optimizer=config.outer_optimizer_argument(),
         overlap_sync=config.overlap_sync,
         shard_optimizer_state=config.shard_optimizer_state,
-        balance_batches=config.balance_batches,
+        balance_batches=config.balance_batches, bucket_cap_mb=config.bucket_cap_mb,
     )
     if getattr(model, "tfdp_balanced_batches", None) is not None:  # the plan in examples
         model.tfdp_balanced_batches.set_global_batch(batch.global_batch)

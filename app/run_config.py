@@ -89,6 +89,9 @@ class RunConfig:
         balance_batches (each worker reads every global batch whole and
         computes a share that follows its measured speed;
         `tfdp.training.balanced_batches`),
+        bucket_cap_mb (None: one gradient all-reduce after the backward
+        pass; MiB: DDP's gradient buckets, each all-reduced during the
+        backward pass; `tfdp.training.exchanges.bucketed`),
         model_dir (checkpoints, TensorBoard, summary.json; None: none),
         checkpoint_every (optimizer steps; None: at the end only),
         log_every (--loop=fit: optimizer steps between the chief's progress
@@ -151,6 +154,7 @@ class RunConfig:
     overlap_sync: bool = False
     shard_optimizer_state: bool = False
     balance_batches: bool = False
+    bucket_cap_mb: float | None = None
     model_dir: str | None = None
     checkpoint_every: int | None = None
     log_every: int | None = None
@@ -184,6 +188,10 @@ class RunConfig:
             raise ConfigError("--topk_fraction must be in (0, 1] (the share of gradient values "
                               f"each replica sends). Received: --topk_fraction={self.topk_fraction!r}")
         self._validate_local_steps()
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < float("inf"):
+            raise ConfigError("--bucket_cap_mb must be a positive number of MiB per gradient "
+                              "bucket (PyTorch DDP's default is 25), or unset for one all-reduce "
+                              f"after the backward pass. Received: --bucket_cap_mb={self.bucket_cap_mb!r}")
         _positive("train_examples", self.train_examples, allow_none=True)
         _positive("image_size", self.image_size, allow_none=True, hint=" (pixels)")
         _positive("sequence_length", self.sequence_length, allow_none=True, hint=" (tokens)")

@@ -160,6 +160,11 @@ flags.DEFINE_float("outer_momentum", None, "DiLoCo's outer Nesterov momentum (wi
 flags.DEFINE_bool("overlap_sync", _D.overlap_sync, "With --sync_every > 1 or --outer_lr: each "
                   "window's weight all-reduce runs in the background during the next window and "
                   "is applied one window late (tfdp.compile(overlap_sync=True)).")
+flags.DEFINE_float("bucket_cap_mb", None, "PyTorch DDP's gradient buckets: the gradients are "
+                   "all-reduced in buckets of at most this many MiB (the first at most 1 MiB), "
+                   "last layers first, each as soon as its gradients exist, during the rest of "
+                   "the backward pass (tfdp.compile(bucket_cap_mb=...)); unset: one all-reduce "
+                   "after the backward pass.")
 flags.DEFINE_bool("shard_optimizer_state", _D.shard_optimizer_state, "ZeRO-1: each replica "
                   "keeps the optimizer's slots (momentum, Adam's moments) for its 1/N share of "
                   "the weights only, and the updated shares are all-gathered every step.")

@@ -30,6 +30,7 @@ PATH_LABELS = {
     "keras_fit_n": "Keras fit (model.compile, steps_per_execution=N)",
     "tfdp_fit": "tfdp fit (tfdp.compile, steps_per_execution=N)",
     "tfdp_fit_bf16": "tfdp fit, gradients all-reduced in bfloat16",
+    "tfdp_fit_buckets": "tfdp fit, gradients all-reduced in buckets during the backward pass",
     "tfdp_fit_per_replica": "tfdp fit, per-replica loss (no global counts)",
     "tfdp_fit_powersgd": "tfdp fit, PowerSGD (rank 4) gradient compression",
     "tfdp_fit_topk": "tfdp fit, Top-K (1%) gradient compression",

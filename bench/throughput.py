@@ -21,6 +21,11 @@ per-replica batch `per_replica_batch`, global batch that times the replicas):
   `model.fit` (Keras' own train function), with an accuracy metric;
 - `tfdp_fit`: `tfdp.compile(..., steps_per_execution=N)` + `model.fit`, with
   an accuracy metric;
+- `tfdp_fit_buckets`: `tfdp_fit` with `bucket_cap_mb=spec["bucket_cap_mb"]`
+  (default 0.05 MiB: the CNN's 291 KB in about 6 buckets; DDP's default 25
+  MiB, first bucket 1 MiB, would make one): each bucket all-reduced as soon
+  as its gradients exist, during the rest of the backward pass
+  (`tfdp.training.exchanges.bucketed`);
 - `tfdp_fit_bf16`: `tfdp_fit` with `all_reduce_dtype="bfloat16"` (gradients
   summed in bfloat16: half the bytes; `tfdp.distribute.reduction`);
 - `tfdp_fit_per_replica`: `tfdp_fit` with `loss_normalization="per_replica"`:
@@ -65,7 +70,7 @@ import statistics
 import time
 from typing import Callable
 
-PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_bf16", "tfdp_fit_per_replica",
+PATHS = ("keras_fit", "keras_fit_n", "tfdp_fit", "tfdp_fit_buckets", "tfdp_fit_bf16", "tfdp_fit_per_replica",
          "tfdp_fit_powersgd", "tfdp_fit_topk", "tfdp_fit_float8", "tfdp_fit_local_sgd", "tfdp_fit_diloco", "tfdp_fit_diloco_overlap", "trainer", "loop_1", "loop_n",
          "loop_n_local", "loop_n_sync", "loop_n_overlap", "input")
 
@@ -85,6 +90,7 @@ _DEFAULTS = {
     "topk_fraction": 0.01,
     "local_sgd_sync_every": 8,
     "diloco_sync_every": 16,
+    "bucket_cap_mb": 0.05,
     "model": "cnn",
 }
 #: Values of the `model` spec entry: the benchmark CNN, or the ≈10 M-parameter
@@ -144,7 +150,8 @@ def _optimizer(spec):
 def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution: int,
                 mark: Callable[[], None], all_reduce_dtype: str | None = None,
                 loss_normalization: str = "global",
-                compression: str | None = None) -> Callable[[int], None]:
+                compression: str | None = None,
+                bucket_cap_mb: float | None = None) -> Callable[[int], None]:
     """`run(steps)`: `steps` steps of `model.fit`; `compression` also names the local-step paths."""
     import keras
     import tfdp
@@ -172,7 +179,8 @@ def _fit_runner(strategy, dataset, spec, *, use_tfdp: bool, steps_per_execution:
                              overlap_sync=compression == "diloco_overlap")
             tfdp.compile(model, all_reduce_dtype=all_reduce_dtype,
                          loss_normalization=loss_normalization,
-                         gradient_compression=compressor, **local, **arguments)
+                         gradient_compression=compressor, bucket_cap_mb=bucket_cap_mb,
+                         **local, **arguments)
         else:
             model.compile(**arguments)
 
@@ -311,6 +319,7 @@ def _runner(path, strategy, dataset, spec, mark):
             all_reduce_dtype="bfloat16" if path == "tfdp_fit_bf16" else None,
             loss_normalization="per_replica" if path == "tfdp_fit_per_replica" else "global",
             compression=_COMPRESSION_OF_PATH.get(path),
+            bucket_cap_mb=spec["bucket_cap_mb"] if path == "tfdp_fit_buckets" else None,
         )
     if path == "trainer":
         return _trainer_runner(strategy, dataset, spec, mark=mark)
@@ -429,7 +438,7 @@ def measure(spec: dict) -> dict:
 
 
 def run(*, workers=(1, 2), paths=PATHS, rounds: int = 1, threads: int | None = 1,
-        timeout: float = 600.0, **spec) -> dict:
+        timeout: float = 600.0, inter_op_threads: int | None = None, **spec) -> dict:
     """Measures `paths` on each worker count, `rounds` times in alternation.
 
     Every round launches `tfdp-launch --nproc_per_node n` once per
@@ -441,6 +450,7 @@ def run(*, workers=(1, 2), paths=PATHS, rounds: int = 1, threads: int | None = 1
         paths: names from `PATHS`.
         rounds: launches per worker count.
         threads: TensorFlow intra-/inter-op threads per worker.
+        inter_op_threads: inter-op threads per worker instead, or None.
         timeout: seconds per launch.
         **spec: `measure`'s other spec entries (`steps`, `repeats`, ...).
 
@@ -456,7 +466,8 @@ def run(*, workers=(1, 2), paths=PATHS, rounds: int = 1, threads: int | None = 1
     for _ in range(rounds):
         for n in workers:
             measured = procs.run_job(
-                "throughput", {**spec, "paths": list(paths), "threads": threads},
+                "throughput", {**spec, "paths": list(paths), "threads": threads,
+                               "inter_op_threads": inter_op_threads},
                 nproc=n, timeout=timeout,
             )
             previous = results.get(str(n))

@@ -36,17 +36,25 @@ JOBS = {
     "predict": ("tfdp.bench.predict", "measure", "tensorflow"),
     "memory_zero": ("tfdp.bench.memory", "measure_zero", "tensorflow"),
     "memory_remat": ("tfdp.bench.memory", "measure_remat", "tensorflow"),
+    "bucket_trace": ("tfdp.bench.bucket_trace", "measure", "tensorflow"),
 }
 
 
-def configure_tensorflow_threads(threads: int | None) -> None:
-    """Limits TensorFlow's intra- and inter-op pools to `threads` each (None: leave)."""
-    if threads is None:
-        return
+def configure_tensorflow_threads(threads: int | None, inter_op_threads: int | None = None) -> None:
+    """Limits TensorFlow's intra- and inter-op pools to `threads` each (None: leave).
+
+    `inter_op_threads`, when given, sets the inter-op pool alone: the
+    all-reduce in buckets (`bucket_cap_mb`) needs a second inter-op thread
+    to start a bucket's collective while the backward pass runs
+    (`tfdp.training.exchanges.bucketed`).
+    """
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    if threads is not None:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    if inter_op_threads is not None:
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     module_name, function_name, framework = JOBS[args.job]
     if framework == "tensorflow":
         os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-        configure_tensorflow_threads(spec.get("threads"))
+        configure_tensorflow_threads(spec.get("threads"), spec.get("inter_op_threads"))
     function = getattr(importlib.import_module(module_name), function_name)
     result = function(spec)
     if int(os.environ.get("TFDP_RANK", "0")) == 0:

@@ -30,6 +30,7 @@ from tfdp.app import train as train_cli
         (["--model=transformer", "--sync_bn"], "Models that take --sync_bn: resnet20"),
         (["--model=mlp", "--remat"], "--remat: model 'mlp' has no blocks to recompute"),
         (["--overlap_sync"], "--overlap_sync needs local steps: pass --sync_every=N > 1"),
+        (["--bucket_cap_mb=0"], "--bucket_cap_mb must be a positive number of MiB"),
         # What tfdp.training.option_rules refuses with balanced batches, by flag.
         (["--balance_batches", "--accum_steps=2"],
          "--balance_batches cannot be combined with --accum_steps=2: a worker's share"),
@@ -111,6 +112,26 @@ def test_overlap_sync_reaches_the_training_loop_with_calls_that_end_each_window(
     kwargs = stopped.value.args[0]
     assert kwargs["overlap_sync"] is True and kwargs["sync_every"] == 8
     assert kwargs["steps_per_execution" if loop == "fit" else "steps_per_loop"] == 8
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_bucket_cap_mb_reaches_the_training_loop(parse_flags, monkeypatch, loop):
+    """--bucket_cap_mb is handed to tfdp.compile / tfdp.Trainer; stopped there, nothing trains."""
+    from tfdp.app import experiment
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        raise Stop(kwargs)
+
+    monkeypatch.setattr(experiment.fit_compile, "compile", capture)
+    monkeypatch.setattr(experiment, "Trainer", capture)
+    parse_flags("--model=mlp", "--cpu_replicas=2", "--epochs=1", "--bucket_cap_mb=0.5",
+                f"--loop={loop}")
+    with pytest.raises(Stop) as stopped:
+        train_cli.main(["tfdp-train"])
+    assert stopped.value.args[0]["bucket_cap_mb"] == 0.5
 
 
 @pytest.mark.slow

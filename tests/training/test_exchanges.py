@@ -29,10 +29,10 @@ from tfdp.distribute import reduction
 from tfdp.training import exchanges
 from tfdp.training import guard_optimizer
 from tfdp.training import replica_state
-from tfdp.training.exchanges import all_reduce, base, compressed, local_steps, sharded
+from tfdp.training.exchanges import all_reduce, base, bucketed, compressed, local_steps, sharded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-EXCHANGE_MODULES = ("all_reduce", "compressed", "sharded", "local_steps")
+EXCHANGE_MODULES = ("all_reduce", "bucketed", "compressed", "sharded", "local_steps")
 GLOBAL_BATCH = 8
 STEPS = 4
 
@@ -72,6 +72,7 @@ def _ids(variables):
 CASES = {
     "plain": ({}, all_reduce.AllReduce, "none"),
     "bfloat16": ({"gradient_compression": "bfloat16"}, all_reduce.AllReduce, "none"),
+    "buckets": ({"bucket_cap_mb": 1e-6}, bucketed.Bucketed, "none"),
     "topk": ({"gradient_compression": lambda: tfdp.compression.TopK(fraction=0.5)},
              compressed.Compressed, "memories"),
     "sharded": ({"shard_optimizer_state": True}, sharded.Sharded, "slots"),

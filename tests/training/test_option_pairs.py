@@ -10,7 +10,7 @@ ValueError that names both options (`tfdp.training.option_rules`).
 Where a reference exists the trained weights must equal it to 1e-5: the
 options marked `EXACT` (accumulation, steps per execution, full-rank
 PowerSGD, Top-K of everything, `outer_optimizer=SGD(1.0)` with
-`sync_every=1` under SGD, ZeRO-1) must not change the result, so a case equals the
+`sync_every=1` under SGD, ZeRO-1, the all-reduce in buckets) must not change the result, so a case equals the
 same case without them. Under the 16-bit options the reference is held to
 that format's rounding instead. `all_reduce_dtype="bfloat16"` must change
 the result of every case it joins (an ignored dtype counts as broken).
@@ -61,10 +61,12 @@ OPTIONS = {
     "LAMB": {"optimizer": lambda: tfdp.optimizers.LAMB(0.01)},
     "LARS": {"optimizer": lambda: tfdp.optimizers.LARS(0.5, momentum=0.9, eeta=0.1)},
     "jit_compile": {"jit_compile": True},
+    # Every variable its own bucket: the most all-reduces.
+    "bucket_cap_mb": {"bucket_cap_mb": 1e-6},
 }
 #: Options that must leave the weights as they are without them (see the docstring).
 EXACT = {"accum_steps", "steps_per_execution", "PowerSGD", "TopK", "outer_optimizer",
-         "shard_optimizer_state"}
+         "shard_optimizer_state", "bucket_cap_mb"}
 
 
 def exact_options(case) -> set:
@@ -98,6 +100,9 @@ REFUSED = {
        for local in _LOCAL for other in _GRADIENT_SUM + ("shard_optimizer_state",)},
     # float8 sends its own 8-bit values: a dtype for them would be ignored.
     frozenset({"float8", "all_reduce_dtype"}): ("float8", "all_reduce_dtype"),
+    # The buckets cut the plain all-reduce, which these replace.
+    **{frozenset({"bucket_cap_mb", other}): ("bucket_cap_mb", _LOCAL_NAME.get(other, other))
+       for other in _LOCAL + ("PowerSGD", "TopK", "float8", "shard_optimizer_state")},
 }
 #: Refused by the strategy (XLA on several CPU devices), whatever joins it.
 STRATEGY_REFUSED = "jit_compile"
@@ -250,7 +255,7 @@ def test_is_refused_before_anything_runs_naming_both_options(case, entry, two_re
 
 
 @pytest.mark.parametrize("name", ["all_reduce_dtype", "PowerSGD", "TopK", "float8", "sync_every",
-                                  "outer_optimizer", "shard_optimizer_state"])
+                                  "outer_optimizer", "shard_optimizer_state", "bucket_cap_mb"])
 @pytest.mark.parametrize("entry", ["compile", "trainer"])
 def test_without_the_wrapper_an_option_that_needs_it_is_refused(name, entry, two_replicas):
     """`nonfinite=None` turns tfdp's optimizer wrapper off; these options run inside it."""
@@ -261,6 +266,6 @@ def test_without_the_wrapper_an_option_that_needs_it_is_refused(name, entry, two
 
 
 def test_the_matrix_covers_every_option_and_pair():
-    assert len(SINGLES) == len(OPTIONS) == 14
-    assert len(PAIRS) == 14 * 13 // 2 - len(INEXPRESSIBLE)
-    assert {"LARS", "jit_compile", "float8", "overlap_sync"} <= set(OPTIONS)
+    assert len(SINGLES) == len(OPTIONS) == 15
+    assert len(PAIRS) == 15 * 14 // 2 - len(INEXPRESSIBLE)
+    assert {"LARS", "jit_compile", "float8", "overlap_sync", "bucket_cap_mb"} <= set(OPTIONS)

@@ -39,7 +39,8 @@ _lock = threading.Lock()
 
 
 def all_reduce_sum(
-    context: tf.distribute.ReplicaContext, gradients: Sequence[tf.Tensor | None]
+    context: tf.distribute.ReplicaContext, gradients: Sequence[tf.Tensor | None],
+    options: tf.distribute.experimental.CommunicationOptions | None = None,
 ) -> list[tf.Tensor | None]:
     """Sums `gradients` over all replicas in one batched all-reduce, as Keras does.
 
@@ -47,6 +48,7 @@ def all_reduce_sum(
         context: the current replica context.
         gradients: one gradient (a tensor, `tf.IndexedSlices` or `None`) per
             variable.
+        options: `tf.distribute.experimental.CommunicationOptions`, or `None`.
 
     Returns:
         The summed gradients, `None` where a gradient was `None`.
@@ -54,7 +56,7 @@ def all_reduce_sum(
     present = [g for g in gradients if g is not None]
     if not present:
         return list(gradients)
-    reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present, options=options))
     return [None if g is None else next(reduced) for g in gradients]
 
 

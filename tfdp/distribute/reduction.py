@@ -61,6 +61,7 @@ def all_reduce_sum(
     gradients: Sequence[tf.Tensor | tf.IndexedSlices | None],
     all_reduce_dtype: str | None = None,
     exact: Sequence[tf.Tensor] = (),
+    options: tf.distribute.experimental.CommunicationOptions | None = None,
 ):
     """Sums `gradients` over all replicas in one batched all-reduce.
 
@@ -73,6 +74,8 @@ def all_reduce_sum(
             bfloat16 and cast back; other dtypes are summed as they are.
         exact: more tensors (e.g. a count) summed in the same all-reduce,
             always in their own dtype.
+        options: `tf.distribute.experimental.CommunicationOptions` for this
+            all-reduce (e.g. its `bytes_per_pack`), or `None`: the strategy's.
 
     Returns:
         The summed gradients, each in its original dtype, `None` where a
@@ -91,7 +94,8 @@ def all_reduce_sum(
             g if g is None or original not in _WIDER_THAN_BFLOAT16 else _cast(g, dtype)
             for g, original in zip(gradients, originals)
         ]
-    summed = keras_optimizer_reduction.all_reduce_sum(context, compressed + list(exact))
+    summed = keras_optimizer_reduction.all_reduce_sum(context, compressed + list(exact),
+                                                      options=options)
     summed, exact_sums = summed[:len(gradients)], summed[len(gradients):]
     summed = [
         g if g is None or _dtype(g) == original else _cast(g, original)

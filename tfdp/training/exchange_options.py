@@ -3,7 +3,7 @@
 `tfdp.training.guard_optimizer.NonFiniteGuard` and
 `tfdp.training.loss_scaling.NonFiniteLossScaleOptimizer` take the same
 exchange options (`max_consecutive_nonfinite`, `all_reduce_dtype`,
-`compressor`, `local_sync`, `shard_optimizer_state`), each as an object or,
+`compressor`, `local_sync`, `shard_optimizer_state`, `bucket_cap_mb`), each as an object or,
 from a `.keras` file, its config. This module owns turning those arguments
 into checked objects (`ExchangeOptions.checked`: each alone, then every pair
 through `tfdp.training.option_rules`), building ZeRO-1's sharding from the
@@ -39,6 +39,8 @@ class ExchangeOptions:
         compressor: a `GradientCompressor`, or None.
         local_sync: a `LocalSync`, or None.
         shard_optimizer_state: ZeRO-1.
+        bucket_cap_mb: `None`, or MiB per gradient bucket all-reduced during
+            the backward pass (`tfdp.training.exchanges.bucketed`).
     """
 
     max_consecutive_nonfinite: int
@@ -46,10 +48,11 @@ class ExchangeOptions:
     compressor: compression.GradientCompressor | None
     local_sync: local_sync_lib.LocalSync | None
     shard_optimizer_state: bool
+    bucket_cap_mb: float | None = None
 
     @classmethod
     def checked(cls, max_consecutive_nonfinite, all_reduce_dtype, compressor, local_sync,
-                shard_optimizer_state) -> "ExchangeOptions":
+                shard_optimizer_state, bucket_cap_mb=None) -> "ExchangeOptions":
         """From a wrapper's arguments (objects or their configs): each alone, then every pair.
 
         Raises:
@@ -58,9 +61,10 @@ class ExchangeOptions:
         compressor = compressor_of(compressor)
         local_sync = local_sync_of(local_sync)
         verdict_lib.check_arguments("skip", max_consecutive_nonfinite, all_reduce_dtype,
-                                    compressor, local_sync, shard_optimizer_state)
+                                    compressor, local_sync, shard_optimizer_state,
+                                    bucket_cap_mb=bucket_cap_mb)
         return cls(int(max_consecutive_nonfinite), all_reduce_dtype, compressor, local_sync,
-                   shard_optimizer_state)
+                   shard_optimizer_state, bucket_cap_mb)
 
 
 def compressor_of(compressor):
@@ -98,4 +102,5 @@ def config_of(optimizer) -> dict:
         "compressor": compressor_config.serialize(optimizer.compressor),
         "local_sync": None if optimizer.local_sync is None else optimizer.local_sync.get_config(),
         "shard_optimizer_state": optimizer.sharding is not None,
+        "bucket_cap_mb": optimizer.bucket_cap_mb,
     }

@@ -39,6 +39,7 @@ from tfdp.training import replicated_input
 from tfdp.training import step_monitor
 from tfdp.training import sync_points
 from tfdp.training import train_step as train_step_lib
+from tfdp.training.exchanges import bucketed
 
 
 def _evaluate_keeping_validation_iterator(model, evaluate, *args, **kwargs):
@@ -131,6 +132,7 @@ def compile(  # pylint: disable=redefined-builtin
     overlap_sync: bool = False,
     shard_optimizer_state: bool = False,
     balance_batches: bool | balanced_batches.BalanceOptions = False,
+    bucket_cap_mb: float | None = None,
     **compile_kwargs,
 ) -> keras.Model:
     """`model.compile` whose `fit` and `evaluate` give one device's result, under any strategy.
@@ -260,6 +262,14 @@ def compile(  # pylint: disable=redefined-builtin
             `tfdp.training.balanced_batches.BalanceOptions` (its
             `replan_every`, a fixed or first plan `shares`, `smoothing`,
             `min_gain`). See "Balanced batches" above.
+        bucket_cap_mb: `None` (default): the gradients are all-reduced once
+            the backward pass has made them all. A number: PyTorch DDP's
+            gradient buckets, last layers first, of at most this many MiB
+            (the first at most 1 MiB); each bucket is all-reduced as soon as
+            its gradients exist, while the backward pass goes on
+            (`tfdp.training.exchanges.bucketed`; DDP's default is 25). The
+            same sums, so the same result. Not with `gradient_compression`,
+            local steps or `shard_optimizer_state`; needs `nonfinite` set.
         **compile_kwargs: passed on to `model.compile` (e.g. `loss_weights`).
 
     Returns:
@@ -285,6 +295,7 @@ def compile(  # pylint: disable=redefined-builtin
     local_sync_lib.check_overlap(overlap_sync)
     nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
                                compressor, shard_optimizer_state)
+    bucketed.check_bucket_cap_mb(bucket_cap_mb)
     loss_scaling = model.dtype_policy.name == "mixed_float16" and compile_kwargs.get(
         "auto_scale_loss", True
     )
@@ -297,7 +308,8 @@ def compile(  # pylint: disable=redefined-builtin
         sync_every=sync_every, outer_optimizer=outer_optimizer, overlap_sync=overlap_sync,
         shard_optimizer_state=shard_optimizer_state, accum_steps=accum_steps,
         steps_per_execution=steps_per_execution, loss_scaling=loss_scaling,
-        jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing))
+        jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing,
+        bucket_cap_mb=bucket_cap_mb))
     local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer, overlap_sync)
     norm_lib.check_mode(loss_normalization)
     norm_lib.check_loss(loss)
@@ -326,7 +338,7 @@ def compile(  # pylint: disable=redefined-builtin
             optimizer, nonfinite=nonfinite, max_consecutive_nonfinite=max_consecutive_nonfinite,
             loss_scaling=loss_scaling, all_reduce_dtype=all_reduce_dtype,
             compressor=compressor, local_sync=local_sync,
-            shard_optimizer_state=shard_optimizer_state,
+            shard_optimizer_state=shard_optimizer_state, bucket_cap_mb=bucket_cap_mb,
         )
     model.compile(
         optimizer=optimizer,

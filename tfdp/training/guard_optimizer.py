@@ -44,6 +44,10 @@ class NonFiniteGuard(optimizer_step.OptimizerStep, keras.optimizers.Optimizer):
             local SGD / DiLoCo. Defaults to `None`.
         shard_optimizer_state: ZeRO-1 (`tfdp.distribute.optimizer_sharding`).
             Defaults to False.
+        bucket_cap_mb: `None` (default): one all-reduce after the backward
+            pass; a number: PyTorch DDP's gradient buckets of at most that
+            many MiB, each all-reduced as soon as its gradients exist
+            (`tfdp.training.exchanges.bucketed`).
 
     Attributes:
         skipped_steps: int64 variable, steps skipped so far.
@@ -66,11 +70,12 @@ class NonFiniteGuard(optimizer_step.OptimizerStep, keras.optimizers.Optimizer):
         compressor: compression.GradientCompressor | None = None,
         local_sync: local_sync_lib.LocalSync | dict | None = None,
         shard_optimizer_state: bool = False,
+        bucket_cap_mb: float | None = None,
         **kwargs,
     ):
         options = exchange_options.ExchangeOptions.checked(
             max_consecutive_nonfinite, all_reduce_dtype, compressor, local_sync,
-            shard_optimizer_state)
+            shard_optimizer_state, bucket_cap_mb)
         if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer sets Keras' own `gradient_accumulation_steps`, which "

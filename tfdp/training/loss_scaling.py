@@ -42,8 +42,9 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         inner_optimizer, initial_scale, dynamic_growth_steps, name: as for
             `keras.optimizers.LossScaleOptimizer`.
         max_consecutive_nonfinite: as for `NonFiniteGuard`. Defaults to 10.
-        all_reduce_dtype, compressor, local_sync, shard_optimizer_state: as
-            for `NonFiniteGuard`. Default to `None`, `None`, `None`, False.
+        all_reduce_dtype, compressor, local_sync, shard_optimizer_state,
+            bucket_cap_mb: as for `NonFiniteGuard`. Default to `None`, `None`,
+            `None`, False, `None`.
     """
 
     def __init__(
@@ -57,11 +58,12 @@ class NonFiniteLossScaleOptimizer(optimizer_step.OptimizerStep, loss_scale.LossS
         compressor: compression.GradientCompressor | None = None,
         local_sync: local_sync_lib.LocalSync | dict | None = None,
         shard_optimizer_state: bool = False,
+        bucket_cap_mb: float | None = None,
         **kwargs,
     ):
         options = exchange_options.ExchangeOptions.checked(
             max_consecutive_nonfinite, all_reduce_dtype, compressor, local_sync,
-            shard_optimizer_state)
+            shard_optimizer_state, bucket_cap_mb)
         super().__init__(
             inner_optimizer, initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs,

@@ -61,10 +61,12 @@ class OptimizerStep(verdict_lib.Counters):
     Needs `inner_optimizer` and `max_consecutive_nonfinite`. Its options
     pick the exchange (`exchange`): `all_reduce_dtype` (`None` or
     `"bfloat16"`), `compressor`, `local_sync` (local SGD, DiLoCo) and
-    `sharding` (ZeRO-1).
+    `sharding` (ZeRO-1) and `bucket_cap_mb` (the all-reduce in buckets during
+    the backward pass).
     """
 
     all_reduce_dtype: str | None = None
+    bucket_cap_mb: float | None = None
     compressor: compression.GradientCompressor | None = None
     local_sync: local_sync_lib.LocalSync | None = None
     sharding: optimizer_sharding.OptimizerSharding | None = None
@@ -76,7 +78,8 @@ class OptimizerStep(verdict_lib.Counters):
         """The exchange of this wrapper's options (made on each read: it keeps no state itself)."""
         return exchanges.for_options(
             self, all_reduce_dtype=self.all_reduce_dtype, compressor=self.compressor,
-            local_sync=self.local_sync, sharding=self.sharding)
+            local_sync=self.local_sync, sharding=self.sharding,
+            bucket_cap_mb=self.bucket_cap_mb)
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -196,6 +199,7 @@ class OptimizerStep(verdict_lib.Counters):
         self.all_reduce_dtype = options.all_reduce_dtype
         self.compressor = options.compressor
         self.local_sync = options.local_sync
+        self.bucket_cap_mb = options.bucket_cap_mb
         self.sharding = exchange_options.sharding_of(options.shard_optimizer_state,
                                                      inner_optimizer)
 

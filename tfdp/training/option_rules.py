@@ -58,6 +58,9 @@ class TrainingOptions:
         balance_batches: balanced per-replica batches
             (`tfdp.training.balanced_batches`) on 2+ replicas. Defaults to
             False.
+        bucket_cap_mb: `None`, or MiB per gradient bucket all-reduced during
+            the backward pass (`tfdp.training.exchanges.bucketed`). Defaults
+            to `None`.
     """
 
     nonfinite: str | None = "skip"
@@ -73,6 +76,7 @@ class TrainingOptions:
     jit_compile: bool = False
     optimizer: Any = None
     balance_batches: bool = False
+    bucket_cap_mb: float | None = None
 
     @property
     def steps_locally(self) -> bool:
@@ -197,6 +201,25 @@ RULES: tuple[Rule, ...] = (
          "an overlapped window ends between calls of the train function, so a call of "
          "{o.steps_per_execution} steps would stretch windows of sync_every={o.sync_every}.",
          "Use a steps_per_execution that divides sync_every, or overlap_sync=False."),
+    Rule("nonfinite=None", "bucket_cap_mb={o.bucket_cap_mb!r}",
+         lambda o: o.nonfinite is None and o.bucket_cap_mb is not None,
+         "the bucketed all-reduce " + _NEEDS_WRAPPER,
+         _KEEP_WRAPPER.format("bucket_cap_mb")),
+    Rule("bucket_cap_mb={o.bucket_cap_mb!r}", "{o.local_steps}",
+         lambda o: o.bucket_cap_mb is not None and o.steps_locally,
+         "local steps make no gradient all-reduce to cut into buckets.",
+         "Use bucket_cap_mb=None with local steps, or sync_every=1 and no outer_optimizer "
+         "to all-reduce in buckets."),
+    Rule("bucket_cap_mb={o.bucket_cap_mb!r}", "{o.gradient_sum}",
+         lambda o: o.bucket_cap_mb is not None and o.compressor is not None,
+         "the compressor sends its own collectives, which the buckets would not cut.",
+         "Use bucket_cap_mb=None with gradient_compression, or gradient_compression=None to "
+         "all-reduce in buckets (all_reduce_dtype='bfloat16' combines with them)."),
+    Rule("bucket_cap_mb={o.bucket_cap_mb!r}", "shard_optimizer_state=True",
+         lambda o: o.bucket_cap_mb is not None and o.shard_optimizer_state,
+         "ZeRO-1 reduce-scatters all the gradients in one collective after the backward pass.",
+         "Use bucket_cap_mb=None with shard_optimizer_state, or shard_optimizer_state=False "
+         "to all-reduce in buckets."),
     Rule("{o.local_steps}", "shard_optimizer_state=True",
          lambda o: o.steps_locally and o.shard_optimizer_state,
          "between synchronisations every replica updates all of its own weights with its "

@@ -54,6 +54,7 @@ _SYNCHRONOUS_OPTIONS = {
     "outer_optimizer": None,
     "shard_optimizer_state": False,
     "balance_batches": False,
+    "bucket_cap_mb": None,
 }
 
 

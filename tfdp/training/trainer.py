@@ -60,6 +60,7 @@ from tfdp.distribute import shard_layout
 from tfdp.distribute import strategy_info as strategy_info_lib
 from tfdp.training import batch as batch_lib
 from tfdp.training.batch import BatchConfig
+from tfdp.training.exchanges import bucketed
 
 DatasetLike = Union[tf.data.Dataset, tf.distribute.DistributedDataset, Any]
 DatasetSource = Union[DatasetLike, Callable[[int], DatasetLike]]
@@ -209,6 +210,9 @@ class Trainer:
             callable returning one) of global batches, the same on every
             worker: every replica reads each batch whole. Does nothing on one
             replica. `Trainer.balanced_batches` holds the plan.
+        bucket_cap_mb: `None` (default), or MiB per gradient bucket, each
+            all-reduced during the backward pass, as `tfdp.compile`'s
+            argument of that name says.
 
     Raises:
         ValueError: an argument is invalid, two options cannot be combined
@@ -242,6 +246,7 @@ class Trainer:
         overlap_sync: bool = False,
         shard_optimizer_state: bool = False,
         balance_batches: bool | balanced_batches.BalanceOptions = False,
+        bucket_cap_mb: float | None = None,
     ):
         # ParameterServerStrategy: the asynchronous path (its own outer loop).
         asynchronous = parameter_server.is_parameter_server(strategy)
@@ -250,7 +255,7 @@ class Trainer:
                 batch=batch, all_reduce_dtype=all_reduce_dtype,
                 gradient_compression=gradient_compression, sync_every=sync_every,
                 outer_optimizer=outer_optimizer, shard_optimizer_state=shard_optimizer_state,
-                balance_batches=balance_batches)
+                balance_batches=balance_batches, bucket_cap_mb=bucket_cap_mb)
         norm_lib.check_mode(loss_normalization)
         balance = balanced_batches.options_of(balance_batches)
         # On one replica there is nothing to balance: it does nothing.
@@ -278,6 +283,7 @@ class Trainer:
         local_sync_lib.check_overlap(overlap_sync)
         nonfinite_lib.check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype,
                                    compressor, shard_optimizer_state)
+        bucketed.check_bucket_cap_mb(bucket_cap_mb)
         # Every pair of options, before anything is built (tfdp.training.option_rules).
         option_rules.check(option_rules.TrainingOptions(
             nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
@@ -285,7 +291,8 @@ class Trainer:
             shard_optimizer_state=shard_optimizer_state, accum_steps=batch.accum_steps,
             steps_per_execution=steps_per_loop,
             loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
-            jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing))
+            jit_compile=jit_compile, optimizer=optimizer, balance_batches=balancing,
+            bucket_cap_mb=bucket_cap_mb))
         if balancing:
             balanced_batches.check_loss_normalization(loss_normalization)
         local_sync = local_sync_lib.from_arguments(sync_every, outer_optimizer, overlap_sync)
@@ -339,6 +346,7 @@ class Trainer:
                 loss_scaling=keras.config.dtype_policy().name == "mixed_float16",
                 all_reduce_dtype=all_reduce_dtype, compressor=compressor,
                 local_sync=local_sync, shard_optimizer_state=shard_optimizer_state,
+                bucket_cap_mb=bucket_cap_mb,
             )
             optimizer.build(model.trainable_variables)
         self.optimizer = optimizer

@@ -31,6 +31,7 @@ from tfdp.distribute import compression
 from tfdp.distribute import reduction
 from tfdp.training import option_rules
 from tfdp.training.exchanges import base as exchange_base
+from tfdp.training.exchanges import bucketed as exchanges_bucketed
 
 #: Values of the `nonfinite` argument of `tfdp.Trainer` and `tfdp.compile`
 #: (`None` turns the handling off).
@@ -47,8 +48,9 @@ class NonFiniteError(FloatingPointError):
 
 
 def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
-                    compressor=None, local_sync=None, shard_optimizer_state=False) -> None:
-    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype`, `compressor`, `local_sync`, `shard_optimizer_state`.
+                    compressor=None, local_sync=None, shard_optimizer_state=False, *,
+                    bucket_cap_mb=None) -> None:
+    """Validates `nonfinite`, `max_consecutive_nonfinite`, `all_reduce_dtype`, `compressor`, `local_sync`, `shard_optimizer_state`, `bucket_cap_mb`.
 
     Each value alone (`check_values`), then every pair of them
     (`tfdp.training.option_rules`).
@@ -59,7 +61,9 @@ def check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype=None,
     """
     check_values(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor,
                  shard_optimizer_state)
+    exchanges_bucketed.check_bucket_cap_mb(bucket_cap_mb)
     option_rules.check(option_rules.TrainingOptions(
+        bucket_cap_mb=bucket_cap_mb,
         nonfinite=nonfinite, all_reduce_dtype=all_reduce_dtype, compressor=compressor,
         sync_every=1 if local_sync is None else local_sync.sync_every,
         outer_optimizer=None if local_sync is None else local_sync.outer_optimizer,

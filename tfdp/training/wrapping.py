@@ -29,6 +29,7 @@ def wrap_optimizer(
     compressor: compression.GradientCompressor | None = None,
     local_sync: local_sync_lib.LocalSync | None = None,
     shard_optimizer_state: bool = False,
+    bucket_cap_mb: float | None = None,
 ):
     """The optimizer to train with, for a `nonfinite` mode.
 
@@ -54,6 +55,9 @@ def wrap_optimizer(
         shard_optimizer_state: each replica keeps the inner optimizer's
             state for its share of the weights only
             (`tfdp.distribute.optimizer_sharding`, ZeRO-1); needs a wrapper.
+        bucket_cap_mb: `None`, or MiB per gradient bucket, each all-reduced
+            during the backward pass (`tfdp.training.exchanges.bucketed`);
+            needs a wrapper.
 
     Returns:
         `NonFiniteLossScaleOptimizer` under loss scaling (with `nonfinite=None`
@@ -65,7 +69,7 @@ def wrap_optimizer(
             `nonfinite=None`.
     """
     verdict.check_arguments(nonfinite, max_consecutive_nonfinite, all_reduce_dtype, compressor,
-                    local_sync, shard_optimizer_state)
+                    local_sync, shard_optimizer_state, bucket_cap_mb=bucket_cap_mb)
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, optimizer_step.OptimizerStep):
         if all_reduce_dtype is not None:
@@ -77,18 +81,20 @@ def wrap_optimizer(
             optimizer.compressor = compressor
         if local_sync is not None:
             optimizer.local_sync = local_sync
+        if bucket_cap_mb is not None:
+            optimizer.bucket_cap_mb = bucket_cap_mb
         if shard_optimizer_state and optimizer.sharding is None:
             if optimizer.built:
                 raise ValueError("Pass shard_optimizer_state before the optimizer is built.")
             optimizer.sharding = exchange_options.sharding_of(True, optimizer.inner_optimizer)
         verdict.check_arguments(nonfinite, max_consecutive_nonfinite, optimizer.all_reduce_dtype,
                         optimizer.compressor, optimizer.local_sync,
-                        optimizer.sharding is not None)
+                        optimizer.sharding is not None, bucket_cap_mb=optimizer.bucket_cap_mb)
         return optimizer
     loss_scaling = loss_scaling or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if nonfinite is None and not loss_scaling:
         return optimizer
-    sharded = {"shard_optimizer_state": shard_optimizer_state}
+    sharded = {"shard_optimizer_state": shard_optimizer_state, "bucket_cap_mb": bucket_cap_mb}
     # Under loss scaling every mode takes the one decision path here: the
     # scaled gradients are all-reduced, checked once summed (the same on every
     # replica), unscaled, and then applied or skipped (halving the scale).
