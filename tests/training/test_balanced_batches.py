@@ -100,6 +100,31 @@ def test_fixed_unequal_plan_equals_one_device(two_replicas):
     assert balance.totals.numpy()[2 * r] == timed
 
 
+def test_each_replica_times_its_whole_step_but_the_exchange(two_replicas):
+    """Busy seconds run from the last all-reduce's return to the gradients, and ride summed.
+
+    An execution's first step is timed from its slice (the host ran before
+    it); every other step from the previous step's return, so it holds the
+    compute and the optimizer update, input and loop between them.
+    """
+    m, _ = balanced_fit(two_replicas,
+                        balanced_batches.BalanceOptions(replan_every=None, shares=PLAN),
+                        steps_per_execution=2)
+    balance = m.tfdp_balanced_batches
+    executions = 2 * STEPS // 2 - 1  # the first execution's timings are dropped
+    timed = 2 * executions
+    spans = [v.numpy() for v in two_replicas.experimental_local_results(balance.spans)]
+    for compute, busy, exchange, steps in spans:
+        assert steps == timed
+        assert busy >= compute > 0 and exchange > 0
+    # What rode in the all-reduce is each replica's own busy seconds.
+    np.testing.assert_allclose(balance.totals.numpy()[:2], [s[1] for s in spans], rtol=1e-5)
+    # Each step after an execution's first carried the exchange before it.
+    exchange_totals = balance.exchange_totals.numpy()
+    assert exchange_totals[2] == timed - executions
+    assert all(0 < exchange_totals[r] <= spans[r][2] for r in range(2))
+
+
 class _ForcePlans(keras.callbacks.Callback):
     """Assigns a different plan after every step, as a re-planning would (the results must not move)."""
 
