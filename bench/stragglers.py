@@ -131,8 +131,9 @@ def _planner_record(balance) -> dict | None:
     return {
         "plans": [[step, list(shares)] for step, shares in balance.history],
         "final_shares": [int(s) for s in balance.plan.numpy()],
-        "windows": [{"shares": p[0], "step_seconds": p[1], "whole_step_seconds": p[2]}
-                    for p in planner.points] if planner else [],
+        "windows": [{"shares": p[0], "step_seconds": p[1], "whole_step_seconds": whole}
+                    for p, whole in zip(planner.points, planner.whole_steps)]
+        if planner else [],
         # This worker's own (the chief's: the straggler), per step since the
         # warm-up: what the shares scale, and what they do not.
         "this_worker_per_step_ms": _per_step_ms(balance.spans.numpy()),

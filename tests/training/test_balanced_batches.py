@@ -158,6 +158,27 @@ def test_plans_changing_between_steps_equal_one_device(two_replicas, steps_per_e
     np.testing.assert_allclose(history["loss"], losses, rtol=1e-5)
 
 
+def test_new_plans_are_not_retraced(two_replicas, monkeypatch):
+    """A re-plan assigns the plan variable: the step is traced once, however often it changes."""
+    traced = []
+    cut = balanced_batches.BalancedBatches.replica_slice
+
+    def counting(self, data):
+        traced.append(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        return cut(self, data)
+
+    monkeypatch.setattr(balanced_batches.BalancedBatches, "replica_slice", counting)
+    with two_replicas.scope():
+        m = model()
+        tfdp.compile(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9), loss=loss(),
+                     steps_per_execution=2,
+                     balance_batches=balanced_batches.BalanceOptions(replan_every=None))
+    forcing = _ForcePlans(m)
+    m.fit(dataset(), epochs=2, verbose=0, callbacks=[forcing])
+    assert forcing.steps == STEPS  # a new plan after each of the 4 executions
+    assert len(traced) == 2, traced  # one trace, once per replica
+
+
 @pytest.mark.slow
 def test_a_split_that_is_no_partition_is_told_apart(two_replicas, monkeypatch):
     """Negative control: the last example of each batch left out is 1e-3 away from one device."""

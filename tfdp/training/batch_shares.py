@@ -300,6 +300,9 @@ class SharePlanner:
         cost: the fitted `AffineCost`, or None before any timing.
         fixed_examples: the fixed cost in examples (a_w / b_w) last found,
             or None while no share has varied.
+        points: the windows kept, `(mean shares, mean busy seconds)` per
+            step, one value per worker each.
+        whole_steps: each kept window's whole step seconds, or None.
     """
 
     def __init__(self, *, global_batch: int, num_workers: int, replan_every: int = 20,
@@ -320,6 +323,7 @@ class SharePlanner:
         self.min_gain = min_gain
         self.minimum_share = minimum_share
         self.points: collections.deque = collections.deque(maxlen=history)
+        self.whole_steps: collections.deque = collections.deque(maxlen=history)
         self.cost: AffineCost | None = None
         self.fixed_examples: float | None = None
         self._weights: list[float] = []
@@ -365,8 +369,8 @@ class SharePlanner:
         if whole_step_seconds is not None and math.isfinite(whole_step_seconds) and (
                 whole_step_seconds > 0):
             whole = float(whole_step_seconds) / steps
-        self.points.append(([float(s) / steps for s in shares], [t / steps for t in seconds],
-                            whole))
+        self.points.append(([float(s) / steps for s in shares], [t / steps for t in seconds]))
+        self.whole_steps.append(whole)
         n = len(self.points)
         self._weights = weights = [(1 - self.smoothing) ** (n - 1 - i) for i in range(n)]
         self.cost, found = fit_affine_costs(
@@ -378,7 +382,7 @@ class SharePlanner:
     @property
     def whole_step_seconds(self) -> float | None:
         """The whole synchronous step's seconds, weighted over the windows as the fit, or None."""
-        known = [(w, p[2]) for w, p in zip(self._weights, self.points) if p[2] is not None]
+        known = [(w, t) for w, t in zip(self._weights, self.whole_steps) if t is not None]
         total = sum(w for w, _ in known)
         return sum(w * t for w, t in known) / total if known and total > 0 else None
 
