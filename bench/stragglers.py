@@ -131,14 +131,27 @@ def _planner_record(balance) -> dict | None:
     return {
         "plans": [[step, list(shares)] for step, shares in balance.history],
         "final_shares": [int(s) for s in balance.plan.numpy()],
-        "windows": [{"shares": p[0], "step_seconds": p[1]} for p in planner.points]
+        "windows": [{"shares": p[0], "step_seconds": p[1], "whole_step_seconds": whole}
+                    for p, whole in zip(planner.points, planner.whole_steps)]
         if planner else [],
+        # This worker's own (the chief's: the straggler), per step since the
+        # warm-up: what the shares scale, and what they do not.
+        "this_worker_per_step_ms": _per_step_ms(balance.spans.numpy()),
         "fixed_seconds": planner and planner.fixed_seconds,
         "seconds_per_example": planner and planner.seconds_per_example,
         "fixed_examples": planner and planner.fixed_examples,
         "relative_noise": planner and planner.cost and planner.cost.relative_noise,
         "required_gain": planner and planner.required_gain(),
     }
+
+
+def _per_step_ms(spans) -> dict | None:
+    """`BalancedBatches.spans` as milliseconds per step: compute, busy, exchange."""
+    compute, busy, exchange, steps = (float(v) for v in spans)
+    if steps < 1:
+        return None
+    return {"compute": 1e3 * compute / steps, "busy": 1e3 * busy / steps,
+            "exchange": 1e3 * exchange / steps, "steps": int(steps)}
 
 
 def run(*, repeats: int = 3, epochs: int = 15, warmup_epochs: int = 3,
@@ -223,7 +236,11 @@ def summarize(runs: list) -> dict:
         sooner; None unless every run of both reached the target) and
         `"images_per_second_cost"` (1 − the images/s ratio). With a
         straggler also `"straggler_cost"`: 1 − equal's images/s with it ÷
-        without it (what the straggler took from the equal split).
+        without it (what the straggler took from the equal split), and
+        `"images_per_second_ceiling"`: equal's images/s without it ÷ with
+        it, the most any split could win back (a straggler that costs
+        the equal split 14% leaves balancing at most 1.16x, whatever it
+        measures).
     """
     groups: dict = {}
     for run in runs:
@@ -273,6 +290,9 @@ def summarize(runs: list) -> dict:
         ratio = _ratio(equal_slowed["images_per_second"]["median"],
                        equal_free["images_per_second"]["median"])
         with_straggler["straggler_cost"] = None if ratio is None else 1 - ratio
+        # No split of the work can make the slowed pair faster than the
+        # unslowed pair's equal split: the most balancing can win here.
+        with_straggler["images_per_second_ceiling"] = None if not ratio else 1 / ratio
     return {"rows": rows, "with_straggler": with_straggler,
             "without_straggler": compare(False)}
 
@@ -317,6 +337,9 @@ def markdown_lines(case: dict) -> list[str]:
                       f"{_number(c.get('seconds_to_target_ratio'))} (below 1: sooner)"
                       + (f"; the straggler took {_number(100 * c['straggler_cost'], 0)}% of the "
                          "equal split's images/s" if c.get("straggler_cost") is not None else "")
+                      + (f", so no split could beat "
+                         f"{_number(c['images_per_second_ceiling'])}x"
+                         if c.get("images_per_second_ceiling") is not None else "")
                       + "."]
     plans = [(r["round"], r["balance"]["plans"]) for r in case.get("runs", [])
              if r["straggler"] and r.get("balance")]

@@ -686,6 +686,22 @@ def test_stragglers_summary_ratios_targets_and_report():
     assert "round 1: [[66, [21, 43]]]" in text
 
 
+def test_stragglers_ceiling_is_what_the_straggler_took_from_the_equal_split():
+    from tfdp.bench import stragglers
+
+    runs = [_straggler_run(True, "equal", 0, 1000.0, 4.0),
+            _straggler_run(True, "balanced", 0, 1100.0, 3.0),
+            _straggler_run(False, "equal", 0, 1160.0, 2.0),
+            _straggler_run(False, "balanced", 0, 1150.0, 2.1)]
+    case = stragglers.summarize(runs)
+    assert case["with_straggler"]["images_per_second_ceiling"] == pytest.approx(1.16)
+    assert "images_per_second_ceiling" not in case["without_straggler"]
+    text = "\n".join(stragglers.markdown_lines(
+        {**case, "runs": runs, "repeats": 1, "epochs": 15, "warmup_epochs": 3,
+         "cpu_fraction": 0.5, "straggler_rank": 0}))
+    assert "so no split could beat 1.16x" in text
+
+
 def test_the_stragglers_case_is_skipped_with_the_reason_without_cgroups(monkeypatch):
     from tfdp.bench import straggler
     from tfdp.bench import stragglers

@@ -100,6 +100,31 @@ def test_fixed_unequal_plan_equals_one_device(two_replicas):
     assert balance.totals.numpy()[2 * r] == timed
 
 
+def test_each_replica_times_its_whole_step_but_the_exchange(two_replicas):
+    """Busy seconds run from the last all-reduce's return to the gradients, and ride summed.
+
+    An execution's first step is timed from its slice (the host ran before
+    it); every other step from the previous step's return, so it holds the
+    compute and the optimizer update, input and loop between them.
+    """
+    m, _ = balanced_fit(two_replicas,
+                        balanced_batches.BalanceOptions(replan_every=None, shares=PLAN),
+                        steps_per_execution=2)
+    balance = m.tfdp_balanced_batches
+    executions = 2 * STEPS // 2 - 1  # the first execution's timings are dropped
+    timed = 2 * executions
+    spans = [v.numpy() for v in two_replicas.experimental_local_results(balance.spans)]
+    for compute, busy, exchange, steps in spans:
+        assert steps == timed
+        assert busy >= compute > 0 and exchange > 0
+    # What rode in the all-reduce is each replica's own busy seconds.
+    np.testing.assert_allclose(balance.totals.numpy()[:2], [s[1] for s in spans], rtol=1e-5)
+    # Each step after an execution's first carried the exchange before it.
+    exchange_totals = balance.exchange_totals.numpy()
+    assert exchange_totals[2] == timed - executions
+    assert all(0 < exchange_totals[r] <= spans[r][2] for r in range(2))
+
+
 class _ForcePlans(keras.callbacks.Callback):
     """Assigns a different plan after every step, as a re-planning would (the results must not move)."""
 
@@ -131,6 +156,27 @@ def test_plans_changing_between_steps_equal_one_device(two_replicas, steps_per_e
     assert forcing.steps == 2 * STEPS // steps_per_execution
     assert max_difference(m.get_weights(), weights) < 1e-5
     np.testing.assert_allclose(history["loss"], losses, rtol=1e-5)
+
+
+def test_new_plans_are_not_retraced(two_replicas, monkeypatch):
+    """A re-plan assigns the plan variable: the step is traced once, however often it changes."""
+    traced = []
+    cut = balanced_batches.BalancedBatches.replica_slice
+
+    def counting(self, data):
+        traced.append(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        return cut(self, data)
+
+    monkeypatch.setattr(balanced_batches.BalancedBatches, "replica_slice", counting)
+    with two_replicas.scope():
+        m = model()
+        tfdp.compile(m, optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9), loss=loss(),
+                     steps_per_execution=2,
+                     balance_batches=balanced_batches.BalanceOptions(replan_every=None))
+    forcing = _ForcePlans(m)
+    m.fit(dataset(), epochs=2, verbose=0, callbacks=[forcing])
+    assert forcing.steps == STEPS  # a new plan after each of the 4 executions
+    assert len(traced) == 2, traced  # one trace, once per replica
 
 
 @pytest.mark.slow

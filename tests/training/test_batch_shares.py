@@ -180,6 +180,41 @@ def test_planner_ignores_small_gains_and_bad_timings():
     assert fresh.maybe_replan(20) is None  # no timings yet
 
 
+@pytest.mark.parametrize("busy,whole,moves", [
+    # 20% apart in the timed part, which is a fifth of a 20 ms step: moving
+    # examples would win ~9% of the timed part, under 2% of the step.
+    ((0.0048, 0.0040), 0.020, False),
+    ((0.0048, 0.0040), None, True),  # the whole step unknown: the timed part is the step
+    # A half-speed worker whose timed part is most of the step still moves.
+    ((0.0080, 0.0040), 0.010, True),
+    ((0.0080, 0.0040), float("nan"), True),  # a bad whole step is no whole step
+])
+def test_a_gain_is_weighed_against_the_whole_step(busy, whole, moves):
+    """min_gain is of the synchronous step, the exchange included, not of the part the shares control."""
+    planner = batch_shares.SharePlanner(global_batch=64, num_workers=2, replan_every=1)
+    for window in range(1, batch_shares.MIN_WINDOWS + 3):
+        planner.observe([20 * t for t in busy], [20 * 32, 20 * 32], steps=20,
+                        whole_step_seconds=None if whole is None else 20 * whole)
+        planner.maybe_replan(window)
+    if moves:
+        assert planner.plan.shares[0] < 32, planner.plan
+    else:
+        assert planner.plan.shares == (32, 32)
+        expected = 0.05 * whole / busy[0]
+        assert planner.required_gain() == pytest.approx(expected)
+        assert planner.whole_step_seconds == pytest.approx(whole)
+
+
+def test_the_whole_step_is_weighted_over_the_windows_as_the_fit():
+    planner = batch_shares.SharePlanner(global_batch=8, num_workers=2, smoothing=0.5)
+    planner.observe([1.0, 1.0], [4, 4], whole_step_seconds=None)
+    assert planner.whole_step_seconds is None
+    planner.observe([1.0, 1.0], [4, 4], whole_step_seconds=4.0)
+    planner.observe([2.0, 2.0], [8, 8], steps=2, whole_step_seconds=4.0)  # 2 s per step
+    # Weights 0.25, 0.5, 1 (newest); the first window gave no whole step.
+    assert planner.whole_step_seconds == pytest.approx((0.5 * 4.0 + 1.0 * 2.0) / 1.5)
+
+
 def test_every_worker_computes_the_same_plan_from_the_same_timings():
     timings = [([0.012, 0.031, 0.020], (22, 21, 21)), ([0.011, 0.033, 0.021], (22, 21, 21)),
                ([0.012, 0.032, 0.021], (22, 21, 21))]

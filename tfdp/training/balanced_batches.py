@@ -15,13 +15,18 @@ synchronous step (issue 35, item 2):
   once. Global loss normalisation makes the loss, gradient and logged loss
   those of one device on the global batch whatever the shares
   (`tfdp.training.loss_normalization`).
-- **the clock.** Each replica measures its compute seconds for the step with
-  `tf.timestamp` around its forward and backward pass (from its slice to its
-  gradients, a counts all-reduce inside the pass excluded), before the
-  gradient all-reduce. Its seconds and examples, at its own position of a
-  `[2 × replicas]` vector (zeros elsewhere), ride in the gradients' own
-  all-reduce (`OptimizerStep.carrying`): no collective of their own. Every
-  replica adds the sums to the same accumulator.
+- **the clock.** Each replica measures with `tf.timestamp` its busy seconds
+  for the step: from when its previous step's gradient all-reduce returned
+  to when this step's gradients are ready (the previous update, the loop,
+  the next batch from the input, the cut, the forward and backward pass; a
+  counts all-reduce inside left out; an execution's first step from its
+  slice), and how long its previous step's all-reduce took. A slower worker
+  is slower at all of it, not only at the forward and backward pass, and a
+  synchronous step waits for the last worker to reach the all-reduce. Its
+  seconds and examples, at its own positions of a `[3 × replicas]` vector
+  (zeros elsewhere), ride in the gradients' own all-reduce
+  (`OptimizerStep.carrying`): no collective of their own. Every replica
+  adds the sums to the same accumulators.
 - **the re-planner** (`after_steps`, run between executions by `Replanner`,
   a Keras callback `fit` runs, and by `tfdp.Trainer`'s loops): every
   `replan_every` steps, at the end of an execution of the train function, it
@@ -30,7 +35,8 @@ synchronous step (issue 35, item 2):
   `tfdp.training.batch_shares.SharePlanner` (an affine model, seconds =
   a fixed cost per step + a cost per example x share, fitted to the recent
   windows, the newest weighted most; a new plan only when it predicts a step
-  at least `min_gain` shorter) and assigns the plan variable. Every worker reads
+  at least `min_gain` of the whole step, busy plus exchange, shorter) and
+  assigns the plan variable: no retracing, no new dataset. Every worker reads
   the same all-reduced sums at the same step, so every worker computes the
   same plan with no collective. The first execution's timings (warm-up) are
   dropped.
@@ -43,6 +49,7 @@ replication (`replicated_input`), nor which options may be combined with it
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import keras
 import tensorflow as tf
@@ -146,8 +153,16 @@ class BalancedBatches:
         plan: int32 variable `[replicas]`, each replica's share, equal on
             every replica; assigned between executions only.
         totals: float32 variable `[2 × replicas + 1]`: since the last
-            planning, each replica's compute seconds, each replica's
-            examples, and the steps timed; equal on every replica.
+            planning, each replica's busy seconds (`riders`), each
+            replica's examples, and the steps timed; equal on every replica.
+        exchange_totals: float32 variable `[replicas + 1]`: since the
+            last planning, each replica's seconds in the all-reduce of the
+            step before each timed step that had one in its execution, and
+            those steps; equal on every replica.
+        spans: float64 variable `[4]`, each replica its own: since the
+            warm-up, its compute (slice to gradients), busy and exchange
+            seconds summed, and the steps (diagnostics: what the shares
+            scale and what they do not).
         planner: the `SharePlanner`, made at the first planning (when the
             global batch is known).
         history: `(step, shares)` of every plan adopted, the first one included.
@@ -170,6 +185,29 @@ class BalancedBatches:
             self.totals = tf.Variable(
                 tf.zeros([2 * self.num_replicas + 1]), trainable=False,
                 aggregation=tf.VariableAggregation.NONE, name="balanced_batches_totals")
+            # Each replica's own, never read across replicas: when its last
+            # step's gradient all-reduce returned (float64 seconds since the
+            # epoch; 0 at the start of an execution), and how long that
+            # all-reduce took from its gradients being ready.
+            self.mark = tf.Variable(
+                tf.zeros([2], tf.float64), trainable=False,
+                aggregation=tf.VariableAggregation.NONE, name="balanced_batches_mark")
+            # Since the last planning, equal on every replica: each replica's
+            # exchange seconds (its gradients ready to the all-reduce's
+            # return, of the step before each timed one), and the steps that
+            # had a step before them in their execution.
+            self.exchange_totals = tf.Variable(
+                tf.zeros([self.num_replicas + 1]), trainable=False,
+                aggregation=tf.VariableAggregation.NONE, name="balanced_batches_exchange_totals")
+            # Diagnostics, each replica its own, since the warm-up: seconds
+            # summed of [compute (its slice ready to its gradients ready),
+            # busy (what `riders` reports), exchange] and the steps.
+            self.spans = tf.Variable(
+                tf.zeros([4], tf.float64), trainable=False,
+                aggregation=tf.VariableAggregation.NONE, name="balanced_batches_spans")
+        # Trace-time hand-over from `riders` to `add_sums`, per replica
+        # thread (MirroredStrategy traces its replicas in threads).
+        self._tracing = threading.local()
         self.planner: batch_shares.SharePlanner | None = None
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.steps = 0  # steps run, counted on the host
@@ -197,16 +235,54 @@ class BalancedBatches:
         return data, Clock(start)
 
     def riders(self, clock: "Clock", gradients, examples: tf.Tensor) -> tf.Tensor:
-        """float32 `[2 × replicas]`: this replica's seconds and examples at its own positions."""
-        seconds = clock.stop([g for g in gradients if g is not None])
+        """float32 `[3 × replicas]`: this replica's busy seconds, examples and last exchange seconds.
+
+        Each at this replica's own position (zeros elsewhere), so the
+        all-reduce's sum holds every replica's.
+
+        Busy seconds: from when this replica's previous step's gradient
+        all-reduce returned (`mark`) to when this step's gradients are
+        ready, the collectives inside the span left out. That is all the
+        step asks of the replica but the gradient all-reduce: the previous
+        step's optimizer update, the loop, the next batch from the input
+        pipeline, the cut, the forward and backward pass. A slower worker
+        is slower at all of it, and a synchronous step waits for the last
+        worker to reach the all-reduce. The first step of an execution (no
+        `mark`: the host ran in between) is timed from its slice.
+
+        Exchange seconds: how long the previous step's all-reduce took on
+        this replica (0 on an execution's first step). The planner weighs a
+        predicted gain against the whole step, busy plus exchange.
+        """
+        end = clock.end([g for g in gradients if g is not None])
+        mark = self.mark.read_value()
+        chained = mark[0] > 0
+        start = tf.where(chained, mark[0], clock.start)
+        seconds = clock.seconds(start, end)
         context = tf.distribute.get_replica_context()
         position = tf.one_hot(tf.cast(context.replica_id_in_sync_group, tf.int32),
                               self.num_replicas, dtype=tf.float32)
-        return tf.concat([position * seconds, position * tf.cast(examples, tf.float32)], 0)
+        self._tracing.pending = (clock.seconds(clock.start, end), seconds, end, chained)
+        return tf.concat([position * seconds, position * tf.cast(examples, tf.float32),
+                          position * tf.cast(mark[1], tf.float32)], 0)
 
     def add_sums(self, sums: tf.Tensor) -> None:
-        """Adds one step's summed riders (and the step) to `totals`, on this replica's copy."""
-        self.totals.assign_add(tf.concat([sums, tf.ones([1])], 0))
+        """Adds one step's summed riders (and the step) to the totals, on this replica's copy.
+
+        Called with the all-reduce's result: the time it returned is this
+        replica's `mark`, where its next step's busy span starts.
+        """
+        r = self.num_replicas
+        compute, busy, end, chained = self._tracing.pending
+        self._tracing.pending = None
+        self.totals.assign_add(tf.concat([sums[:2 * r], tf.ones([1])], 0))
+        self.exchange_totals.assign_add(
+            tf.concat([sums[2 * r:], tf.cast(tf.reshape(chained, [1]), tf.float32)], 0))
+        with tf.control_dependencies([sums]):
+            returned = tf.timestamp()
+        self.spans.assign_add(tf.stack([tf.cast(compute, tf.float64), tf.cast(busy, tf.float64),
+                                        returned - end, tf.ones([], tf.float64)]))
+        self.mark.assign(tf.stack([returned, returned - end]))
 
     # --- between executions (host) -------------------------------------------
 
@@ -214,6 +290,7 @@ class BalancedBatches:
         """At the start of a training run: the next execution's timings are warm-up."""
         self._warm = False
         self._since = 0
+        self.mark.assign(tf.zeros_like(self.mark))
 
     def after_steps(self, steps: int, *, log: bool = False) -> batch_shares.SharePlan | None:
         """After an execution of `steps` steps: re-plans once `replan_every` steps have run.
@@ -226,9 +303,12 @@ class BalancedBatches:
             The new plan, or None.
         """
         self.steps += steps
+        # The host's time between executions is no replica's step.
+        self.mark.assign(tf.zeros_like(self.mark))
         if not self._warm:
             self._warm = True
             self.reset_timings()
+            self.spans.assign(tf.zeros_like(self.spans))
             return None
         every = self.options.replan_every
         if every is None:
@@ -254,6 +334,7 @@ class BalancedBatches:
 
     def reset_timings(self) -> None:
         self.totals.assign(tf.zeros_like(self.totals))
+        self.exchange_totals.assign(tf.zeros_like(self.exchange_totals))
 
     def replan(self) -> batch_shares.SharePlan | None:
         """Reads and clears the timings, plans, and assigns the plan variable if it changed.
@@ -262,11 +343,16 @@ class BalancedBatches:
             The new plan, or None (no timings, or too small a gain).
         """
         totals = self.totals.numpy()
+        exchange = self.exchange_totals.numpy()
         self.reset_timings()
         r = self.num_replicas
         seconds, examples, steps = totals[:r], totals[r:2 * r], totals[2 * r]
         if steps < 1 or min(examples) < 1:
             return None
+        whole = None
+        if exchange[r] >= 1:  # a worker's step: its busy seconds and its exchange's
+            whole = float(max(seconds[w] / steps + exchange[w] / exchange[r]
+                              for w in range(r))) * steps
         if self.planner is None:
             current = [int(s) for s in self.plan.numpy()]
             global_batch = sum(current)
@@ -278,7 +364,7 @@ class BalancedBatches:
                 smoothing=self.options.smoothing, min_gain=self.options.min_gain)
             self.planner.plan = batch_shares.SharePlan(tuple(current))
         self.planner.observe([float(s) for s in seconds], [float(e) for e in examples],
-                             steps=int(round(float(steps))))
+                             steps=int(round(float(steps))), whole_step_seconds=whole)
         new = self.planner.replan()
         if new is not None:
             self.plan.assign(new.shares)
@@ -309,13 +395,20 @@ class Clock:
         self.excluded.append(after - before)
         return result
 
-    def stop(self, outputs) -> tf.Tensor:
-        """float32 seconds from the start to when every tensor of `outputs` is ready."""
+    def end(self, outputs) -> tf.Tensor:
+        """float64 timestamp of when every tensor of `outputs` is ready."""
         flat = [g.values if isinstance(g, tf.IndexedSlices) else g for g in outputs]
         with tf.control_dependencies(flat):
-            end = tf.timestamp()
-        seconds = end - self.start - tf.add_n(self.excluded) if self.excluded else end - self.start
+            return tf.timestamp()
+
+    def seconds(self, start: tf.Tensor, end: tf.Tensor) -> tf.Tensor:
+        """float32 seconds from `start` to `end`, the excluded spans (all inside them) left out."""
+        seconds = end - start - tf.add_n(self.excluded) if self.excluded else end - start
         return tf.cast(tf.maximum(seconds, 0.0), tf.float32)
+
+    def stop(self, outputs) -> tf.Tensor:
+        """float32 seconds from the start to when every tensor of `outputs` is ready."""
+        return self.seconds(self.start, self.end(outputs))
 
 
 class Replanner(keras.callbacks.Callback):

@@ -3,8 +3,9 @@
 This module owns the arithmetic of balanced per-worker batches (issue 35):
 which contiguous slice of each global batch every worker computes, and when
 that plan changes as the workers' speeds change. It does not measure time,
-move examples or exchange anything: the step measures each worker's compute
-seconds and all-reduces them, and the train step cuts each global batch by
+move examples or exchange anything: the step measures each worker's busy
+seconds (its whole step but the gradient all-reduce) and all-reduces them,
+and the train step cuts each global batch by
 the plan's slices (`tfdp.training.balanced_batches`). Because every worker feeds this module the same
 all-reduced timings, every worker computes the same plan with no collective
 of its own.
@@ -12,12 +13,17 @@ of its own.
 The model is affine: worker w computes a share of s_w examples in about
 a_w + b_w * s_w seconds, a_w a fixed cost per step (op dispatch, kernel
 launches: large for a small model) and b_w a cost per example, both measured
-as compute seconds (the wait in the gradient all-reduce excluded). A
+as busy seconds (the gradient all-reduce excluded). A
 synchronous step ends when the slowest worker does, at
 max_w(a_w + b_w * s_w): the makespan. `plan_shares` gives the integer shares,
 summing to the global batch, that minimise it. Global loss normalisation
 makes the loss and gradient of unequal shares those of one device on the
 whole global batch, so a plan changes speed, never results.
+
+A plan is worth adopting only when its gain is a real part of the whole
+synchronous step (`required_gain`): the shares shorten the busy part only,
+and where the exchange or the host take most of a step, a gain of 5% of the
+busy part is not worth the examples moved.
 
 A per-example-only model (a_w = 0) is wrong whenever the fixed cost is not
 small: the worker with the smaller share then looks slower per example, gets
@@ -25,7 +31,8 @@ fewer examples still, and the plan drifts away from the equal split on equal
 workers. `SharePlanner` therefore estimates both terms (`AffineCost`).
 
     planner = SharePlanner(global_batch=64, num_workers=2, replan_every=20)
-    planner.observe([0.20, 0.40], [640, 640], steps=20)  # one window's sums
+    planner.observe([0.20, 0.40], [640, 640], steps=20,  # one window's sums
+                    whole_step_seconds=0.45)  # the synchronous step's, all-reduce included
     new_plan = planner.maybe_replan(step=20)  # SharePlan((43, 21)) or None
 """
 
@@ -262,7 +269,7 @@ class SharePlanner:
     so all of them hold the same plan at the same step.
 
     Each `observe` is one point per worker: its mean examples and mean
-    compute seconds per step over a window. The cost model is fitted to the
+    busy seconds per step over a window. The cost model is fitted to the
     last `history` points (`fit_affine_costs`), the newest weighted 1 and
     each older one `1 - smoothing` times the next. The fixed cost can only be
     told from the per-example cost once some worker's share has changed; till
@@ -293,6 +300,9 @@ class SharePlanner:
         cost: the fitted `AffineCost`, or None before any timing.
         fixed_examples: the fixed cost in examples (a_w / b_w) last found,
             or None while no share has varied.
+        points: the windows kept, `(mean shares, mean busy seconds)` per
+            step, one value per worker each.
+        whole_steps: each kept window's whole step seconds, or None.
     """
 
     def __init__(self, *, global_batch: int, num_workers: int, replan_every: int = 20,
@@ -313,6 +323,7 @@ class SharePlanner:
         self.min_gain = min_gain
         self.minimum_share = minimum_share
         self.points: collections.deque = collections.deque(maxlen=history)
+        self.whole_steps: collections.deque = collections.deque(maxlen=history)
         self.cost: AffineCost | None = None
         self.fixed_examples: float | None = None
         self._weights: list[float] = []
@@ -328,17 +339,22 @@ class SharePlanner:
         return None if self.cost is None else list(self.cost.fixed_seconds)
 
     def observe(self, step_seconds: Sequence[float], shares: Sequence[float], *,
-                steps: int = 1) -> None:
-        """Adds one window's compute seconds and examples per worker, and refits the model.
+                steps: int = 1, whole_step_seconds: float | None = None) -> None:
+        """Adds one window's busy seconds and examples per worker, and refits the model.
 
         Args:
-            step_seconds: each worker's compute seconds summed over the
+            step_seconds: each worker's busy seconds summed over the
                 window's `steps` steps (the collective's wait excluded), in
                 worker order. A window with a non-positive or non-finite
                 time is ignored (a worker that timed nothing, or a clock
                 that jumped).
             shares: the examples each worker computed, summed over the window.
             steps: the steps of the window. Defaults to 1.
+            whole_step_seconds: the synchronous step's seconds summed over
+                the window, the exchange included, or None: unknown. A
+                plan's gain is then weighed against the whole step, not
+                only the part the shares control (`required_gain`).
+                Defaults to None.
         """
         if len(step_seconds) != self.plan.num_workers or len(shares) != self.plan.num_workers:
             raise ValueError(
@@ -349,7 +365,12 @@ class SharePlanner:
         seconds = [float(t) for t in step_seconds]
         if not all(math.isfinite(t) and t > 0 for t in seconds) or min(shares) < steps:
             return
+        whole = None
+        if whole_step_seconds is not None and math.isfinite(whole_step_seconds) and (
+                whole_step_seconds > 0):
+            whole = float(whole_step_seconds) / steps
         self.points.append(([float(s) / steps for s in shares], [t / steps for t in seconds]))
+        self.whole_steps.append(whole)
         n = len(self.points)
         self._weights = weights = [(1 - self.smoothing) ** (n - 1 - i) for i in range(n)]
         self.cost, found = fit_affine_costs(
@@ -358,8 +379,22 @@ class SharePlanner:
         if found is not None:
             self.fixed_examples = found
 
+    @property
+    def whole_step_seconds(self) -> float | None:
+        """The whole synchronous step's seconds, weighted over the windows as the fit, or None."""
+        known = [(w, t) for w, t in zip(self._weights, self.whole_steps) if t is not None]
+        total = sum(w for w, _ in known)
+        return sum(w * t for w, t in known) / total if known and total > 0 else None
+
     def required_gain(self) -> float | None:
-        """The predicted gain a new plan needs now: `min_gain` plus the noise margin.
+        """The predicted gain a new plan needs now, relative to the current plan's modelled step.
+
+        `min_gain` of the whole synchronous step (`whole_step_seconds`, when
+        the windows gave it and it is longer than the modelled step) plus a
+        margin for the timings' noise. The shares shorten only the part of
+        the step the model times; a gain of 5% of that part is much less of
+        the step when the exchange or the host take most of it, and not
+        worth the examples moved (equal workers keep the equal split).
 
         The fit's relative noise sigma, over n_eff = (sum of weights)^2 /
         (sum of squared weights) windows, gives each worker's fitted cost a
@@ -378,7 +413,10 @@ class SharePlanner:
         if n_eff <= 1:
             return None
         error = self.cost.relative_noise * math.sqrt(2.0 / (n_eff - 1))
-        return self.min_gain + self.confidence * error
+        modelled = self.cost.step_seconds(self.plan)
+        whole = self.whole_step_seconds
+        scale = max(whole, modelled) / modelled if whole is not None and modelled > 0 else 1.0
+        return self.min_gain * scale + self.confidence * error
 
     def maybe_replan(self, step: int) -> SharePlan | None:
         """Every `replan_every` steps, the plan for the speeds seen so far, if it is worth it.
