@@ -90,11 +90,8 @@ def test_local_step_flags_build_the_outer_optimizer(parse_flags, flags, expected
         assert (float(outer.learning_rate), outer.momentum) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("loop", ["fit", "custom"])
-def test_overlap_sync_reaches_the_training_loop_with_calls_that_end_each_window(
-        parse_flags, monkeypatch, loop):
-    """--overlap_sync is handed to tfdp.compile / tfdp.Trainer, with steps per call dividing
-    --sync_every (the loops refuse the others); stopped there, nothing trains."""
+def _loop_arguments(parse_flags, monkeypatch, *flags) -> dict:
+    """The keyword arguments `tfdp-train *flags` hands tfdp.compile / tfdp.Trainer (stopped there)."""
     from tfdp.app import experiment
 
     class Stop(Exception):
@@ -105,11 +102,21 @@ def test_overlap_sync_reaches_the_training_loop_with_calls_that_end_each_window(
 
     monkeypatch.setattr(experiment.fit_compile, "compile", capture)
     monkeypatch.setattr(experiment, "Trainer", capture)
-    parse_flags("--model=mlp", "--cpu_replicas=2", "--epochs=1", "--sync_every=8",
-                "--outer_lr=0.7", "--overlap_sync", "--steps_per_loop=10", f"--loop={loop}")
+    parse_flags(*flags)
     with pytest.raises(Stop) as stopped:
         train_cli.main(["tfdp-train"])
-    kwargs = stopped.value.args[0]
+    return stopped.value.args[0]
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_overlap_sync_reaches_the_training_loop_with_calls_that_end_each_window(
+        parse_flags, monkeypatch, loop):
+    """--overlap_sync is handed to tfdp.compile / tfdp.Trainer, with steps per call dividing
+    --sync_every (the loops refuse the others); stopped there, nothing trains."""
+    kwargs = _loop_arguments(
+        parse_flags, monkeypatch, "--model=mlp", "--cpu_replicas=2", "--epochs=1",
+        "--sync_every=8", "--outer_lr=0.7", "--overlap_sync", "--steps_per_loop=10",
+        f"--loop={loop}")
     assert kwargs["overlap_sync"] is True and kwargs["sync_every"] == 8
     assert kwargs["steps_per_execution" if loop == "fit" else "steps_per_loop"] == 8
 
@@ -117,21 +124,9 @@ def test_overlap_sync_reaches_the_training_loop_with_calls_that_end_each_window(
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_bucket_cap_mb_reaches_the_training_loop(parse_flags, monkeypatch, loop):
     """--bucket_cap_mb is handed to tfdp.compile / tfdp.Trainer; stopped there, nothing trains."""
-    from tfdp.app import experiment
-
-    class Stop(Exception):
-        pass
-
-    def capture(*args, **kwargs):
-        raise Stop(kwargs)
-
-    monkeypatch.setattr(experiment.fit_compile, "compile", capture)
-    monkeypatch.setattr(experiment, "Trainer", capture)
-    parse_flags("--model=mlp", "--cpu_replicas=2", "--epochs=1", "--bucket_cap_mb=0.5",
-                f"--loop={loop}")
-    with pytest.raises(Stop) as stopped:
-        train_cli.main(["tfdp-train"])
-    assert stopped.value.args[0]["bucket_cap_mb"] == 0.5
+    kwargs = _loop_arguments(parse_flags, monkeypatch, "--model=mlp", "--cpu_replicas=2",
+                             "--epochs=1", "--bucket_cap_mb=0.5", f"--loop={loop}")
+    assert kwargs["bucket_cap_mb"] == 0.5
 
 
 @pytest.mark.slow
