@@ -88,18 +88,27 @@ def test_frozen_heap_freezes_at_start_and_at_each_first_mark_then_gives_all_back
 
 @pytest.mark.slow
 @pytest.mark.parametrize("managed", ["disabled", "frozen"])
-def test_frozen_heap_leaves_a_process_that_manages_its_collector_alone(managed):
+def test_frozen_heap_leaves_a_process_that_manages_its_collector_alone(managed, monkeypatch):
     if managed == "disabled":
         gc.disable()
     else:
         gc.freeze()
+    # The heap must neither freeze nor unfreeze. Watched at the calls: the
+    # frozen count itself falls whenever another thread frees a frozen object
+    # (a clean-clone CI run saw 1857527 -> 1857525 between two reads).
+    calls = []
+    for name in ("freeze", "unfreeze"):
+        monkeypatch.setattr(gc, name, lambda name=name: calls.append(name))
     frozen_before = gc.get_freeze_count()
     with gc_freeze.FrozenHeap() as heap:
         assert not heap.active
         kept = [[i] for i in range(1000)]
         heap.mark("train")
-        assert gc.get_freeze_count() == frozen_before
-    assert gc.get_freeze_count() == frozen_before  # the process's own freeze is kept
+    assert calls == []
+    # Nothing new joined the permanent generation; the process's own freeze is kept.
+    assert gc.get_freeze_count() <= frozen_before
+    if managed == "frozen":
+        assert gc.get_freeze_count() > 0
     assert gc.isenabled() == (managed == "frozen")
     del kept
 
