@@ -24,12 +24,18 @@ def _chief(*args):
     return [sys.executable, "-u", str(JOB), *map(str, args)]
 
 
+EPOCHS = 12
+
+
 @pytest.mark.slow
 def test_digits_reach_095_with_variables_on_the_ps(tmp_path):
+    # Asynchronous updates (and an unseeded shuffle) make the final accuracy
+    # vary: after 8 epochs it was 0.944-0.97 on 360 test digits, too close to
+    # the target; 12 give it room.
     with LocalPsCluster(tmp_path) as cluster:
         result = result_of(cluster.run_chief(
-            _chief("--epochs", 8, "--model_dir", tmp_path / "model"), timeout=300).stdout)
-    scheduled = 8 * STEPS_PER_EPOCH
+            _chief("--epochs", EPOCHS, "--model_dir", tmp_path / "model"), timeout=300).stdout)
+    scheduled = EPOCHS * STEPS_PER_EPOCH
     assert result["evaluation"]["accuracy"] >= 0.95, result
     assert result["scheduled_steps"] == result["completed_steps"] == scheduled
     # No worker was lost: every step was applied once on the ps.
