@@ -91,12 +91,11 @@ INEXPRESSIBLE = {frozenset({"PowerSGD", "TopK"}), frozenset({"PowerSGD", "float8
 
 _LOCAL = ("sync_every", "outer_optimizer", "overlap_sync")
 #: The name a refusal of a local option gives it (overlap_sync is local SGD's window).
-_LOCAL_NAME = {"sync_every": "sync_every", "outer_optimizer": "outer_optimizer",
-               "overlap_sync": "sync_every"}
+_LOCAL_NAME = {"overlap_sync": "sync_every"}
 _GRADIENT_SUM = ("all_reduce_dtype", "PowerSGD", "TopK", "float8")
 #: Refused pairs -> the names the error must contain.
 REFUSED = {
-    **{frozenset({local, other}): (_LOCAL_NAME[local], other)
+    **{frozenset({local, other}): (_LOCAL_NAME.get(local, local), other)
        for local in _LOCAL for other in _GRADIENT_SUM + ("shard_optimizer_state",)},
     # float8 sends its own 8-bit values: a dtype for them would be ignored.
     frozenset({"float8", "all_reduce_dtype"}): ("float8", "all_reduce_dtype"),
